@@ -1,0 +1,92 @@
+"""Compile shipped kernel configurations for GPU targets we may not have, and check they fit.
+
+Triton compiles for any CUDA target without a GPU. Each operation's configuration module
+lists the builds its dispatcher can pick (`shipped_builds(capability)`); this module compiles
+every one for sm80, sm86, sm89 and sm90 and compares the shared memory the compiled kernel
+asks for with the target's per-block limit. The earlier CUDA attempt at this library shipped a
+tile needing 160 KB on parts that allow 99 KB: this check is what stops that.
+
+Run as `python -m flashmoe_science.target_compile` (prints JSON). It must run without
+TRITON_INTERPRET, because the interpreter replaces kernels with Python functions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """One kernel specialisation the dispatcher can launch."""
+
+    label: str
+    fn: object  # triton.JITFunction
+    signature: dict  # argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr")
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    aligned: tuple = field(default=())  # arguments known to be multiples of 16 (pointers: 16-byte aligned)
+
+
+def compile_build(build: KernelBuild, capability: int):
+    """Compile `build` for sm_<capability>; returns Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = build.fn.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in build.aligned}
+    src = ASTSource(build.fn, build.signature, build.constexprs, attrs=attrs)
+    options = {"num_warps": build.num_warps, "num_stages": build.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def shipped_builds(capability: int) -> list[KernelBuild]:
+    """Every build of every operation that the dispatchers can pick on `capability`."""
+    from .attention import configs as attention_configs
+
+    builds = list(attention_configs.shipped_builds(capability))
+    try:
+        from .moe import configs as moe_configs
+    except ImportError:  # the MoE package is optional while it is being built
+        return builds
+    return builds + list(moe_configs.shipped_builds(capability))
+
+
+def check(capabilities=SUPPORTED_TARGETS) -> list[dict]:
+    rows = []
+    for cap in capabilities:
+        limit = SHARED_MEMORY_PER_BLOCK[cap]
+        for build in shipped_builds(cap):
+            row = {"target": f"sm{cap}", "label": build.label, "num_warps": build.num_warps,
+                   "num_stages": build.num_stages, "limit": limit}
+            try:
+                kernel = compile_build(build, cap)
+            except Exception as exc:  # reported, and the test fails on it
+                row.update(shared=None, fits=False, error=f"{type(exc).__name__}: {exc}"[:500])
+            else:
+                ptx = kernel.asm.get("ptx", "")
+                row.update(shared=kernel.metadata.shared, fits=kernel.metadata.shared <= limit,
+                           wgmma="wgmma" in ptx, error=None)
+            rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter cannot compile for GPU targets", file=sys.stderr)
+        return 2
+    argv = sys.argv[1:] if argv is None else argv
+    caps = tuple(int(a.replace("sm", "")) for a in argv) or SUPPORTED_TARGETS
+    rows = check(caps)
+    json.dump(rows, sys.stdout, indent=1)
+    print()
+    return 0 if all(r["fits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
