@@ -50,7 +50,8 @@ def clear_records() -> None:
 class KernelLauncher:
     """Launches one `@triton.jit` function for operation `op`.
 
-    `launch(key, grid, args)` takes every kernel argument positionally, constexprs included.
+    `launch(key, grid, args, num_warps=, num_stages=)` takes every kernel argument positionally,
+    constexprs included.
     `key` must determine Triton's specialisation of the call: the caller includes the shapes,
     strides and dtypes the arguments derive from, and the 16-byte alignment of each pointer.
     With `key=None` the call always takes Triton's ordinary path.
@@ -63,7 +64,7 @@ class KernelLauncher:
         params = inspect.signature(getattr(fn, "fn", fn)).parameters.values()
         self._constexpr_idx = [i for i, p in enumerate(params) if "constexpr" in str(p.annotation)]
 
-    def launch(self, key, grid, args, device_index: int | None = None) -> None:
+    def launch(self, key, grid, args, *, num_warps: int, num_stages: int, device_index: int | None = None):
         if interpreter_active():
             self.fn[grid](*args)
             _RECORDS[self.op] = LaunchRecord(getattr(self.fn, "__name__", self.op), tuple(grid),
@@ -72,10 +73,11 @@ class KernelLauncher:
         device = driver.active.get_current_device()
         if device_index is not None and device_index != device:
             with torch.cuda.device(device_index):
-                return self.launch(key, grid, args, device_index)
+                return self.launch(key, grid, args, num_warps=num_warps, num_stages=num_stages,
+                                   device_index=device_index)
         entry = self._compiled.get(key) if key is not None else None
         if entry is None:
-            compiled = self.fn[grid](*args)
+            compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
             md = compiled.metadata
             record = LaunchRecord(compiled.name, tuple(grid), self._constexprs_of(args), md.num_warps,
                                   md.num_stages, md.shared, False)

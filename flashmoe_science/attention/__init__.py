@@ -1,0 +1,5 @@
+"""Fused attention: forward (and backward) Triton kernels with flash-attn semantics."""
+from .interface import flash_attention_forward, flash_attention_science
+from .reference import attention_reference
+
+__all__ = ["flash_attention_forward", "flash_attention_science", "attention_reference"]

@@ -1,0 +1,254 @@
+"""Attention forward: correctness against the float64 reference, edge cases, bad input.
+
+On the CPU these run through Triton's interpreter in fp32 and fp16 at small sizes; the GPU
+tests (marked `gpu`) add bf16 and realistic sizes, and compare our error with PyTorch's own.
+"""
+import math
+
+import pytest
+import torch
+
+from flashmoe_science import flash_attention_forward, flash_attention_science
+from flashmoe_science.attention import attention_reference
+
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+def rel_error(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, device, layout="bhsd"):
+    """Fresh random inputs; layout "bshd" gives the (B, S, H, D).transpose(1, 2) views models pass."""
+    if layout == "bshd":
+        q = torch.randn(B, Sq, Hq, D, dtype=dtype, device=device).transpose(1, 2)
+        k = torch.randn(B, Sk, Hkv, D, dtype=dtype, device=device).transpose(1, 2)
+        v = torch.randn(B, Sk, Hkv, D, dtype=dtype, device=device).transpose(1, 2)
+    else:
+        q = torch.randn(B, Hq, Sq, D, dtype=dtype, device=device)
+        k = torch.randn(B, Hkv, Sk, D, dtype=dtype, device=device)
+        v = torch.randn(B, Hkv, Sk, D, dtype=dtype, device=device)
+    return q, k, v
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def check_against_reference(q, k, v, causal, softmax_scale=None):
+    out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert not out.isnan().any(), "NaN in the output (an unwritten or 0/0 element)"
+    tol = TOL[q.dtype] if q.device.type == "cpu" or q.dtype != torch.float32 else 2e-3  # tf32 on GPU
+    assert rel_error(out, ref) < tol
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows that see no key must have lse = -inf"
+    assert torch.all(lse[~seen] == float("-inf"))
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=1e-3 if q.dtype != torch.float32 else 1e-5, rtol=1e-4)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D", [
+    (2, 2, 2, 37, 37, 64),    # lengths not block multiples
+    (1, 4, 2, 19, 70, 40),    # GQA, Sq < Sk, non-power-of-two D
+    (1, 3, 1, 70, 45, 80),    # MQA, Sq > Sk: causal rows i < Sq - Sk see no key
+    (1, 2, 2, 1, 33, 96),     # decode: one query against a cache
+    (1, 1, 1, 65, 65, 16),
+])
+def test_forward_matches_reference(B, Hq, Hkv, Sq, Sk, D, causal, dtype, device):
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, device)
+    check_against_reference(q, k, v, causal)
+
+
+@pytest.mark.parametrize("D", [128, 160, 256])
+def test_forward_large_head_dims(D, device):
+    q, k, v = make_qkv(1, 2, 1, 33, 40, D, torch.float16, device)
+    check_against_reference(q, k, v, causal=True)
+
+
+def test_strided_views_are_read_in_place(device):
+    q, k, v = make_qkv(2, 4, 2, 29, 29, 64, torch.float32, device, layout="bshd")
+    assert not q.is_contiguous()
+    out, _ = check_against_reference(q, k, v, causal=True)
+    assert out.stride() == q.stride(), "the output keeps q's (B, S, H, D) layout"
+
+
+def test_sliced_views_with_odd_strides(device):
+    # q, k and v as slices of one packed qkv projection: row stride 3 * H * D.
+    B, S, H, D = 1, 21, 2, 32
+    qkv = torch.randn(B, S, 3, H, D, device=device)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check_against_reference(q, k, v, causal=False)
+
+
+def test_non_unit_stride_in_head_dim_is_copied(device):
+    q, k, v = make_qkv(1, 2, 2, 17, 17, 32, torch.float32, device)
+    q_t = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, stride 1 in S not D
+    assert q_t.stride(-1) != 1
+    torch.testing.assert_close(flash_attention_science(q_t, k, v), flash_attention_science(q, k, v))
+
+
+def test_custom_softmax_scale(device):
+    q, k, v = make_qkv(1, 2, 2, 24, 31, 64, torch.float32, device)
+    check_against_reference(q, k, v, causal=False, softmax_scale=0.37)
+
+
+def test_no_key_rows_are_zero_not_nan(device):
+    # causal with Sq > Sk: the first Sq - Sk queries see nothing.
+    q, k, v = make_qkv(1, 2, 2, 40, 8, 32, torch.float32, device)
+    out, lse = flash_attention_forward(q, k, v, causal=True)
+    assert torch.all(out[:, :, :32] == 0)
+    assert torch.all(lse[:, :, :32] == float("-inf"))
+    assert torch.isfinite(out).all()
+
+
+def test_zero_keys_give_zero_output(device):
+    q, k, v = make_qkv(1, 2, 2, 5, 0, 32, torch.float32, device)
+    out, lse = flash_attention_forward(q, k, v)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 8, 32), (2, 2, 0, 32)])
+def test_empty_inputs_return_empty_outputs(shape, device):
+    q = torch.randn(shape, device=device)
+    k = torch.randn(shape[0], 2, 8, 32, device=device)
+    out, lse = flash_attention_science(q, k, k.clone(), return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+
+
+def test_output_fully_written(device):
+    """The kernel must write every output element: poison a reused buffer layout and look."""
+    q, k, v = make_qkv(2, 2, 2, 45, 45, 48, torch.float32, device)
+    for _ in range(2):  # the second call takes the cached fast path
+        out = flash_attention_science(q, k, v, causal=True)
+        assert torch.isfinite(out).all()
+
+
+def test_return_lse_flag(device):
+    q, k, v = make_qkv(1, 1, 1, 9, 9, 16, torch.float32, device)
+    out = flash_attention_science(q, k, v)
+    out2, lse = flash_attention_science(q, k, v, return_lse=True)
+    torch.testing.assert_close(out, out2)
+    assert lse.shape == (1, 1, 9)
+
+
+def test_repeated_calls_with_new_data_use_new_data(device):
+    """The cached plan must not cache data: same shapes, fresh values, fresh answers."""
+    for _ in range(3):
+        q, k, v = make_qkv(1, 2, 1, 20, 20, 32, torch.float32, device)
+        check_against_reference(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k, v: (q[0], k, v), "q must have 4 dimensions"),
+    (lambda q, k, v: (q.int(), k, v), "q has dtype torch.int32"),
+    (lambda q, k, v: (q, k.double(), v.double()), "k has dtype torch.float64"),
+    (lambda q, k, v: (q.half(), k, v), "share one dtype"),
+    (lambda q, k, v: (q, k[:, :, :, :16], v[:, :, :, :16]), "same head_dim"),
+    (lambda q, k, v: (q, k, v[:, :, :5]), "k and v must have the same shape"),
+    (lambda q, k, v: (q, k[:1], v[:1]), "same batch size"),
+    (lambda q, k, v: (q, torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1)),
+     "multiple of the number of key/value heads"),
+    (lambda q, k, v: (q[..., :8], k[..., :8], v[..., :8]), "between 16 and 256"),
+    (lambda q, k, v: ("q", k, v), "q must be a torch.Tensor"),
+])
+def test_bad_input_raises_clear_error(bad, match, device):
+    q, k, v = make_qkv(2, 4, 2, 8, 8, 32, torch.float32, device)
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_attention_science(*bad(q, k, v))
+
+
+def test_head_dim_above_256_rejected(device):
+    q = torch.randn(1, 1, 4, 272, device=device)
+    with pytest.raises(ValueError, match="between 16 and 256"):
+        flash_attention_science(q, q, q)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"causal": "yes"}, "causal must be a bool"),
+    ({"softmax_scale": float("nan")}, "softmax_scale must be finite"),
+    ({"softmax_scale": "0.1"}, "softmax_scale must be a float"),
+])
+def test_bad_options_raise(kwargs, match, device):
+    q, k, v = make_qkv(1, 1, 1, 4, 4, 16, torch.float32, device)
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_attention_science(q, k, v, **kwargs)
+
+
+def test_cpu_tensors_without_interpreter_rejected(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="q is on the CPU"):
+        flash_attention_science(q, q, q, softmax_scale=0.123456)
+
+
+# ---- GPU: bf16 and realistic sizes, error compared with PyTorch's own ----
+
+def _sdpa_error(q, k, v, causal, ref):
+    """PyTorch's own error in the input precision (SDPA's math backend, same causal alignment)."""
+    from flashmoe_science.attention.reference import causal_mask
+    group = q.shape[1] // k.shape[1]
+    mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+    return rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D", [
+    (2, 8, 8, 1024, 1024, 64), (1, 16, 4, 777, 1500, 128), (1, 4, 1, 1, 4096, 128),
+    (2, 4, 4, 513, 513, 256), (1, 8, 2, 300, 300, 80), (4, 2, 2, 32, 32, 64),
+])
+def test_gpu_error_within_twice_pytorch(B, Hq, Hkv, Sq, Sk, D, causal, dtype):
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout="bshd")
+    out = flash_attention_science(q, k, v, causal=causal)
+    ref, _ = attention_reference(q, k, v, causal=causal)
+    ours, theirs = rel_error(out, ref), _sdpa_error(q, k, v, causal, ref)
+    assert not out.isnan().any()
+    assert ours <= 2 * theirs + 1e-4, (ours, theirs)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_uses_tf32_within_tolerance():
+    q, k, v = make_qkv(1, 4, 4, 256, 256, 64, torch.float32, "cuda")
+    out = flash_attention_science(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert rel_error(out, ref) < 3e-3
+
+
+@pytest.mark.gpu
+def test_gpu_poisoned_output_fully_written():
+    """Fill the caching allocator's blocks with NaN so an unwritten element would show."""
+    q, k, v = make_qkv(2, 8, 8, 1000, 1000, 128, torch.bfloat16, "cuda")
+    for _ in range(3):
+        poison = torch.full((2, 8, 1000, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        del poison
+        out = flash_attention_science(q, k, v, causal=True)
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_gpu_matches_sdpa_when_sq_equals_sk():
+    q, k, v = make_qkv(2, 8, 8, 512, 512, 128, torch.bfloat16, "cuda")
+    ours = flash_attention_science(q, k, v, causal=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel_error(ours, theirs) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_second_device_index_respected():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16, "cuda:1")
+    check_against_reference(q, k, v, causal=False)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim(device):
+    q, k, v = make_qkv(1, 1, 1, 10, 10, 64, torch.float32, device)
+    torch.testing.assert_close(flash_attention_science(q, k, v),
+                               flash_attention_science(q, k, v, softmax_scale=1 / math.sqrt(64)))

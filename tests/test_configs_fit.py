@@ -1,0 +1,48 @@
+"""Every configuration a dispatcher can pick compiles for sm80, sm86, sm89 and sm90 and fits
+that target's shared memory. Compiling for a GPU target needs no GPU; it does need Triton's
+compiler rather than its interpreter, so the check runs in a subprocess without
+TRITON_INTERPRET."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flashmoe_science.attention.configs import forward_config, forward_configs
+from flashmoe_science.device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS, DeviceInfo
+
+
+@pytest.fixture(scope="module")
+def compiled_rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "flashmoe_science.target_compile"],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    assert proc.stdout, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_every_shipped_build_compiles_and_fits(compiled_rows):
+    assert {r["target"] for r in compiled_rows} == {f"sm{c}" for c in SUPPORTED_TARGETS}
+    bad = [f"{r['target']} {r['label']}: " + (r["error"] or f"{r['shared']} > {r['limit']} bytes")
+           for r in compiled_rows if not r["fits"]]
+    assert not bad, "builds that do not compile or fit:\n" + "\n".join(bad)
+
+
+def test_hopper_builds_use_wgmma(compiled_rows):
+    hopper = [r for r in compiled_rows if r["target"] == "sm90"]
+    assert hopper and all(r["wgmma"] for r in hopper), [r["label"] for r in hopper if not r["wgmma"]]
+
+
+@pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
+def test_dispatcher_only_picks_shipped_forward_configs(capability):
+    shipped = {(es, bd, cfg) for es, bd, cfg in forward_configs(capability)}
+    for sm_count in (1, 46, 132):
+        device = DeviceInfo("probe", capability, sm_count, SHARED_MEMORY_PER_BLOCK[capability], 0)
+        for element_size in (2, 4):
+            for head_dim in (16, 24, 40, 64, 80, 96, 128, 160, 192, 256):
+                for seqlen_q in (1, 64, 200, 4096):
+                    for batch_heads in (1, 8, 512):
+                        cfg = forward_config(device, element_size, head_dim, seqlen_q, batch_heads)
+                        block_d = max(16, 1 << (head_dim - 1).bit_length())
+                        assert (element_size, block_d, cfg) in shipped
