@@ -13,7 +13,7 @@ this record to prove which kernel and configuration ran.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from triton import knobs
@@ -33,6 +33,7 @@ class LaunchRecord:
     num_stages: int | None
     shared_bytes: int | None
     interpreted: bool
+    compiled: object = field(default=None, repr=False, compare=False)  # Triton's CompiledKernel
 
 
 _RECORDS: dict[str, LaunchRecord] = {}
@@ -80,7 +81,7 @@ class KernelLauncher:
             compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
             md = compiled.metadata
             record = LaunchRecord(compiled.name, tuple(grid), self._constexprs_of(args), md.num_warps,
-                                  md.num_stages, md.shared, False)
+                                  md.num_stages, md.shared, False, compiled)
             if key is not None:
                 if len(self._compiled) >= _MAX_ENTRIES:
                     self._compiled.clear()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the test suite on the GPU, then the benchmarks, every result
+# written under $OUT and packed into one archive (the device tool returns at most 8 files).
+#
+#   bash benchmarks/gpu_run.sh [STAGE ...]
+#   stages: env tests sweep attention-fwd attention-bwd attention-fwd+bwd moe moe-fwd+bwd moe-sweep
+#   (default: env tests attention-fwd attention-bwd moe)
+#
+# Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+RESULTS="$OUT/results"
+mkdir -p "$RESULTS"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 FLASHMOE_NO_PROGRESS=1
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env tests attention-fwd attention-bwd moe)
+TESTS=${TESTS:-tests}            # which tests the tests stage runs
+BENCH_ARGS=${BENCH_ARGS:-}       # extra options for every bench stage, e.g. "--repeats 3"
+bench() { python3 -m flashmoe_science bench "$@" --out "$RESULTS" $BENCH_ARGS 2>&1 | tee -a "$RESULTS/bench.log"; }
+status=0
+for stage in "${stages[@]}"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case "$stage" in
+    env)
+      nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used --format=csv \
+        | tee "$RESULTS/nvidia_smi.csv"
+      python3 -m flashmoe_science doctor 2>&1 | tee "$RESULTS/doctor.txt" || status=1 ;;
+    tests)
+      python3 -m pytest -q -p no:cacheprovider --ignore=tests/test_configs_fit.py \
+        --junitxml="$RESULTS/gpu_tests.xml" $TESTS 2>&1 | tail -n 40 | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
+    sweep) bench attention --sweep --seqlens 4096 --no-plot ;;
+    attention-fwd) bench attention --mode fwd ;;
+    attention-bwd) bench attention --mode bwd ;;
+    attention-fwd+bwd) bench attention --mode fwd+bwd --sections throughput ;;
+    moe) bench moe ;;
+    moe-fwd+bwd) bench moe --mode fwd+bwd ;;
+    moe-sweep) bench moe --sweep --no-plot ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+tar -czf "$OUT/results.tar.gz" -C "$RESULTS" .
+exit $status

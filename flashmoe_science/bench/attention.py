@@ -1,0 +1,375 @@
+"""`flashmoe-science bench attention`: our attention against PyTorch's, side by side, one run.
+
+Sections (rows carry a "section" column):
+- small: the earlier attempt's benchmark shapes, fp16 and bf16; wall-clock per call (what users
+  feel: host and GPU) and GPU time, ours against SDPA's default dispatch, with the speedup's
+  95% interval and correctness columns.
+- throughput: 16k tokens per batch, Hq*D = 2048, bf16: TFLOP/s of ours, SDPA's FlashAttention-2,
+  cuDNN and memory-efficient backends, and compiled FlexAttention.
+- memory (modes with a backward): peak memory of forward+backward, ours against SDPA's math backend.
+- train: forward+backward of a small transformer block on our attention against SDPA's default.
+- sweep (with --sweep): every candidate forward configuration on the throughput shapes.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..attention import attention_reference, flash_attention_science
+from ..device import interpreter_active
+from .common import (attention_flops, max_abs_error, rel_error, speedup_interval, time_gpu, time_wall)
+
+SMALL_SHAPES = [(1, 1, 32, 64), (1, 1, 64, 64), (1, 1, 128, 64), (1, 1, 256, 64), (1, 1, 512, 64), (2, 4, 128, 64)]
+TOKENS = 16384
+HIDDEN = 2048  # Hq * D
+INPUT_SETS = 8  # small calls rotate among this many input sets, so no side is flattered by a warm cache
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--mode", choices=["fwd", "bwd", "fwd+bwd"], default="fwd",
+                        help="time the forward, the backward alone, or both (default: fwd)")
+    parser.add_argument("--sections", default=None,
+                        help="comma list of small,throughput,memory,train (default: all that apply)")
+    parser.add_argument("--head-dims", default="64,128,256", help="throughput head dims")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="throughput sequence lengths")
+    parser.add_argument("--flex-head-dims", default="128",
+                        help="head dims at which compiled FlexAttention is measured (each shape compiles)")
+    parser.add_argument("--sweep", action="store_true", help="time every candidate forward config instead")
+
+
+def _ints(text):
+    return [int(x) for x in str(text).split(",") if x]
+
+
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+    return {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def _timed_call(fn, inputs, mode):
+    """A callable timing `mode` of attention `fn` on (q, k, v) that require grad for bwd modes."""
+    q, k, v = inputs
+    if mode == "fwd":
+        return lambda: fn(q, k, v)
+    grad = torch.randn_like(q)
+    if mode == "bwd":
+        out = fn(q, k, v)
+        return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+
+
+def _inputs(batch, heads, seqlen, head_dim, dtype, device, requires_grad=False):
+    # (B, S, H, D) memory viewed as (B, H, S, D): the layout models produce.
+    return tuple(torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=device)
+                 .transpose(1, 2).requires_grad_(requires_grad) for _ in range(3))
+
+
+def _small(args, device):
+    rows = []
+    interp = interpreter_active()
+    shapes = SMALL_SHAPES[:2] if interp else SMALL_SHAPES
+    dtypes = [torch.float16] if interp else [torch.float16, torch.bfloat16]
+    cases = list(itertools.product(shapes, dtypes, [False, True]))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for (batch, heads, seqlen, head_dim), dtype, causal in args.progress(cases, desc="attention small"):
+        sets = [_inputs(batch, heads, seqlen, head_dim, dtype, device) for _ in range(INPUT_SETS)]
+        ours_cycle, sdpa_cycle = itertools.cycle(sets), itertools.cycle(sets)
+
+        def ours():
+            q, k, v = next(ours_cycle)
+            return flash_attention_science(q, k, v, causal=causal)
+
+        def theirs():
+            q, k, v = next(sdpa_cycle)
+            return sdpa(q, k, v, is_causal=causal)
+
+        calls = 20 if interp else 300
+        wall_ours = time_wall(ours, calls=calls, repeats=args.repeats)
+        wall_sdpa = time_wall(theirs, calls=calls, repeats=args.repeats)
+        gpu_ours = time_gpu(ours, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
+        gpu_sdpa = time_gpu(theirs, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
+        speed, lo, hi = speedup_interval(wall_ours, wall_sdpa)
+        q, k, v = sets[0]
+        ref, _ = attention_reference(q, k, v, causal=causal)
+        out_ours = flash_attention_science(q, k, v, causal=causal)
+        out_sdpa = sdpa(q, k, v, is_causal=causal)
+        rows.append(dict(
+            section="small", mode="fwd", batch=batch, heads=heads, seqlen=seqlen, head_dim=head_dim,
+            dtype=str(dtype).replace("torch.", ""), causal=causal,
+            ours_wall_us=wall_ours.median_ms * 1e3, sdpa_wall_us=wall_sdpa.median_ms * 1e3,
+            ours_wall_us_ci=[wall_ours.lo_ms * 1e3, wall_ours.hi_ms * 1e3],
+            sdpa_wall_us_ci=[wall_sdpa.lo_ms * 1e3, wall_sdpa.hi_ms * 1e3],
+            ours_gpu_us=gpu_ours.median_ms * 1e3, sdpa_gpu_us=gpu_sdpa.median_ms * 1e3,
+            speedup_wall=speed, speedup_wall_ci=[lo, hi],
+            speedup_gpu=gpu_sdpa.median_ms / gpu_ours.median_ms,
+            ours_max_abs_err=max_abs_error(out_ours, ref), sdpa_max_abs_err=max_abs_error(out_sdpa, ref),
+            ours_rel_err=rel_error(out_ours, ref), sdpa_rel_err=rel_error(out_sdpa, ref)))
+    return rows
+
+
+def _flex_impl(seqlen, causal, device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen,
+                                       device=device)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def _reference_errors(impls, seqlen, head_dim, causal, mode, device):
+    """Relative error vs float64 of each implementation on one (batch, head) slice: the
+    output for fwd, the worst of dq/dk/dv otherwise. Backend errors run in their own context."""
+    from torch.nn.attention import sdpa_kernel
+    q, k, v = _inputs(1, 1, seqlen, head_dim, torch.bfloat16, device, requires_grad=mode != "fwd")
+    ref_inputs = [t.detach().double().requires_grad_(mode != "fwd") for t in (q, k, v)]
+    ref, _ = attention_reference(*ref_inputs, causal=causal)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad) if mode != "fwd" else None
+    errors = {}
+    for name, (fn, backend) in impls.items():
+        try:
+            with sdpa_kernel(backend) if backend is not None else _null():
+                out = fn(q, k, v)
+                if mode == "fwd":
+                    errors[name] = rel_error(out, ref)
+                else:
+                    grads = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+                    errors[name] = max(rel_error(g, r) for g, r in zip(grads, ref_grads))
+        except Exception as exc:  # a backend that rejects the shape is reported, not fatal
+            errors[name] = f"{type(exc).__name__}"
+    return errors
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _throughput(args, device):
+    from torch.nn.attention import sdpa_kernel
+    rows = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    flex_dims = set(_ints(args.flex_head_dims))
+    cases = list(itertools.product(_ints(args.head_dims), _ints(args.seqlens), [False, True]))
+    for head_dim, seqlen, causal in args.progress(cases, desc=f"attention throughput {args.mode}"):
+        heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
+        impls = {"ours": (lambda q, k, v: flash_attention_science(q, k, v, causal=causal), None)}
+        for name, backend in _sdpa_backends().items():
+            impls[name] = (lambda q, k, v: sdpa(q, k, v, is_causal=causal), backend)
+        if head_dim in flex_dims:
+            try:
+                impls["flex"] = (_flex_impl(seqlen, causal, device), None)
+            except Exception as exc:
+                rows.append(dict(section="throughput", mode=args.mode, impl="flex", error=repr(exc)[:200]))
+        inputs = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device, requires_grad=args.mode != "fwd")
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, args.mode)
+        errors = _reference_errors(impls, seqlen, head_dim, causal, args.mode, device)
+        timings = {}
+        for name, (fn, backend) in impls.items():
+            row = dict(section="throughput", mode=args.mode, impl=name, batch=batch, heads=heads, seqlen=seqlen,
+                       head_dim=head_dim, causal=causal, dtype="bfloat16")
+            try:
+                with sdpa_kernel(backend) if backend is not None else _null():
+                    t = time_gpu(_timed_call(fn, inputs, args.mode), warmup_ms=args.warmup, rep_ms=args.rep,
+                                 repeats=args.repeats)
+            except Exception as exc:
+                row.update(error=f"{type(exc).__name__}: {exc}"[:200])
+            else:
+                timings[name] = t
+                row.update(ms=t.median_ms, ms_ci=[t.lo_ms, t.hi_ms], tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                           rel_err=errors.get(name))
+            rows.append(row)
+            torch.cuda.empty_cache()
+        if "ours" in timings:
+            for row in rows[-len(impls):]:
+                if row.get("impl") in timings and row["impl"] != "ours":
+                    ratio, lo, hi = speedup_interval(timings["ours"], timings[row["impl"]])
+                    row.update(ours_speedup=ratio, ours_speedup_ci=[lo, hi])
+        del inputs
+    return rows
+
+
+def _memory(args, device):
+    """Peak memory of forward+backward at S = 8192: ours against SDPA's math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    batch, heads, seqlen, head_dim = 1, 16, 8192, 128
+    rows = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    impls = {"ours": (lambda q, k, v: flash_attention_science(q, k, v, causal=True), None),
+             "sdpa_math": (lambda q, k, v: sdpa(q, k, v, is_causal=True), SDPBackend.MATH)}
+    for name, (fn, backend) in impls.items():
+        inputs = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device, requires_grad=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with sdpa_kernel(backend) if backend is not None else _null():
+            _timed_call(fn, inputs, "fwd+bwd")()
+        torch.cuda.synchronize()
+        rows.append(dict(section="memory", mode="fwd+bwd", impl=name, batch=batch, heads=heads, seqlen=seqlen,
+                         head_dim=head_dim, causal=True, dtype="bfloat16",
+                         peak_extra_mib=(torch.cuda.max_memory_allocated() - base) / 2**20))
+        del inputs
+        torch.cuda.empty_cache()
+    return rows
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block whose attention function is pluggable."""
+
+    def __init__(self, dim, heads, attention):
+        super().__init__()
+        self.heads, self.attention = heads, attention
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        a = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.norm2(x))
+
+
+def _train(args, device):
+    """Forward+backward of a transformer block (dim 1024, 16 heads, S 2048, batch 8, bf16)."""
+    batch, seqlen, dim, heads = 8, 2048, 1024, 16
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    attentions = {"ours": lambda q, k, v: flash_attention_science(q, k, v, causal=True),
+                  "sdpa_default": lambda q, k, v: sdpa(q, k, v, is_causal=True)}
+    torch.manual_seed(0)
+    x = torch.randn(batch, seqlen, dim, device=device, dtype=torch.bfloat16)
+    block = _Block(dim, heads, None).to(device, torch.bfloat16)
+    timings, losses = {}, {}
+    for name, attention in attentions.items():
+        block.attention = attention
+
+        def step():
+            block.zero_grad(set_to_none=True)
+            loss = block(x).float().square().mean()
+            loss.backward()
+            return loss
+
+        losses[name] = step().item()
+        timings[name] = time_gpu(step, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
+    ratio, lo, hi = speedup_interval(timings["ours"], timings["sdpa_default"])
+    return [dict(section="train", mode="fwd+bwd", impl=name, batch=batch, seqlen=seqlen, dim=dim, heads=heads,
+                 causal=True, dtype="bfloat16", ms=t.median_ms, ms_ci=[t.lo_ms, t.hi_ms], loss=losses[name],
+                 ours_speedup=ratio if name == "sdpa_default" else None,
+                 ours_speedup_ci=[lo, hi] if name == "sdpa_default" else None)
+            for name, t in timings.items()]
+
+
+def forward_candidates(element_size, block_d):
+    """Forward configurations worth timing on Hopper for a head dim (shared memory permitting)."""
+    from ..attention.configs import AttentionConfig
+    for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+        smem = element_size * block_d * (bm + 2 * bn * stages)  # Q plus K and V per stage
+        if smem <= 220 * 1024 and not (bm == 128 and warps == 4 and block_d >= 128):
+            yield AttentionConfig(bm, bn, warps, stages)
+
+
+def _sweep(args, device):
+    from ..attention.interface import attention_forward
+    rows = []
+    cases = list(itertools.product(_ints(args.head_dims), _ints(args.seqlens), [False, True]))
+    for head_dim, seqlen, causal in args.progress(cases, desc="attention sweep"):
+        heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
+        q, k, v = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device)
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        for cfg in forward_candidates(2, max(16, 1 << (head_dim - 1).bit_length())):
+            row = dict(section="sweep", mode="fwd", head_dim=head_dim, seqlen=seqlen, causal=causal,
+                       block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            try:
+                t = time_gpu(lambda: attention_forward(q, k, v, causal, None, False, cfg),
+                             warmup_ms=5, rep_ms=25, repeats=1)
+            except Exception as exc:  # out of resources for this candidate
+                row.update(error=type(exc).__name__)
+            else:
+                row.update(ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12)
+            rows.append(row)
+    return rows
+
+
+def run(args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = {"mode": args.mode, "tokens_per_batch": TOKENS, "hidden": HIDDEN}
+    if args.sweep:
+        return {"name": "attention_sweep", "rows": _sweep(args, device), "meta": meta}
+    if device.type == "cpu":
+        # No GPU: the small section only, through Triton's interpreter; timings are CPU timings.
+        meta["note"] = "no GPU: Triton CPU interpreter at small size; timings are not GPU figures"
+        return {"name": "attention_interpreter", "rows": _small(args, device), "meta": meta}
+    default = ["small", "throughput"] if args.mode == "fwd" else ["throughput", "memory", "train"]
+    sections = args.sections.split(",") if args.sections else default
+    rows = []
+    for section in sections:
+        rows += {"small": _small, "throughput": _throughput, "memory": _memory, "train": _train}[section](args, device)
+    name = "attention_" + args.mode.replace("+", "_")
+    return {"name": name, "rows": rows, "meta": meta}
+
+
+def plot(result: dict, path) -> None:
+    """TFLOP/s against S for every implementation, one panel per (head dim, causal)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r.get("section") == "throughput" and r.get("tflops")]
+    if not rows:
+        return
+    panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (head_dim, causal) in zip(axes[0], panels):
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                         if r["impl"] == impl and r["head_dim"] == head_dim and r["causal"] == causal)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl, linewidth=2.5 if impl == "ours" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={head_dim} {'causal' if causal else 'non-causal'} ({result['meta'].get('mode')})")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+
+def summarize(result: dict) -> str:
+    """A short text table of the result, printed last by the command."""
+    rows, lines = result["rows"], []
+    small = [r for r in rows if r.get("section") == "small"]
+    if small:
+        lines.append("small calls: shape dtype causal | wall us ours / SDPA | speedup [95% CI] | GPU us ours / SDPA")
+        for r in small:
+            lo, hi = r["speedup_wall_ci"]
+            lines.append(f"  ({r['batch']},{r['heads']},{r['seqlen']},{r['head_dim']}) {r['dtype']} {r['causal']!s:5} | "
+                         f"{r['ours_wall_us']:.1f} / {r['sdpa_wall_us']:.1f} | {r['speedup_wall']:.2f} [{lo:.2f}, {hi:.2f}] | "
+                         f"{r['ours_gpu_us']:.1f} / {r['sdpa_gpu_us']:.1f}")
+    table: dict = {}
+    for r in rows:
+        if r.get("section") in ("throughput", "sweep") and r.get("tflops"):
+            key = (r["head_dim"], r["seqlen"], r["causal"])
+            label = r.get("impl") or f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
+            table.setdefault(key, {})[label] = r["tflops"]
+    for (d, s, causal), by_impl in sorted(table.items()):
+        if result["name"] == "attention_sweep":
+            best = sorted(by_impl.items(), key=lambda kv: -kv[1])[:3]
+            lines.append(f"D={d} S={s} causal={causal}: " + ", ".join(f"{k} {v:.0f}" for k, v in best))
+        else:
+            lines.append(f"D={d} S={s} causal={causal}: " + ", ".join(f"{k} {v:.0f}" for k, v in by_impl.items()))
+    for r in rows:
+        if r.get("section") in ("memory", "train"):
+            lines.append(f"{r['section']} {r['impl']}: " + (f"{r['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in r
+                                                            else f"{r['ms']:.2f} ms"))
+    return "\n".join(lines)

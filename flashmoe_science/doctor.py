@@ -1,0 +1,123 @@
+"""`flashmoe-science doctor`: what this machine is, which kernel and configuration each call
+actually launched (read off the compiled kernel, not a table), whether the answer is right
+against a float64 reference, and how fast it is next to PyTorch.
+
+Exit status 0 when every correctness check passes.
+"""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from .device import device_info, interpreter_active
+from .launch import clear_records, last_launch
+
+
+def _environment_lines() -> list[str]:
+    import triton
+
+    lines = [f"python {platform.python_version()}  torch {torch.__version__}  triton {triton.__version__}  "
+             f"CUDA {torch.version.cuda}  cuDNN "
+             f"{torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else 'none'}"]
+    if torch.cuda.is_available():
+        info = device_info()
+        lines.append(f"GPU {info.name}: sm{info.capability}, {info.sm_count} SMs, "
+                     f"{info.shared_memory_per_block // 1024} KB shared memory per block, "
+                     f"{info.l2_bytes // 2**20} MB L2; configuration family sm{info.arch_family}")
+    else:
+        lines.append("no CUDA GPU: kernels run through Triton's CPU interpreter (TRITON_INTERPRET="
+                     f"{'1' if interpreter_active() else 'unset'}) at small sizes; no GPU timings")
+    return lines
+
+
+def _describe(record) -> str:
+    if record is None:
+        return "no launch recorded"
+    cfg = " ".join(f"{k}={v}" for k, v in record.constexprs.items())
+    if record.interpreted:
+        return f"{record.kernel} [interpreter] {cfg} grid={record.grid}"
+    return (f"{record.kernel} {cfg} warps={record.num_warps} stages={record.num_stages} "
+            f"smem={record.shared_bytes}B grid={record.grid}")
+
+
+def _matrix_instructions(record) -> str:
+    """Which tensor-core instructions the launched kernel's machine code uses (sm90: HGMMA)."""
+    if record is None or record.compiled is None:
+        return ""
+    try:
+        sass = record.compiled.asm["sass"]
+    except Exception as exc:  # cuobjdump missing or failing: say so rather than guess
+        return f"SASS unavailable ({type(exc).__name__})"
+    counts = {op: sass.count(op) for op in ("HGMMA", "HMMA") if op in sass}
+    return "SASS: " + (", ".join(f"{n} {op}" for op, n in counts.items()) or "no tensor-core instructions")
+
+
+def _attention_cases(gpu: bool, quick: bool):
+    if not gpu:
+        return [(1, 2, 1, 33, 47, 64, torch.float16, True), (1, 2, 2, 20, 20, 40, torch.float32, False)]
+    cases = [(4, 16, 16, 2048, 2048, 128, torch.bfloat16, True),
+             (2, 16, 4, 777, 1500, 64, torch.float16, False),
+             (8, 32, 8, 1, 4096, 128, torch.bfloat16, True),
+             (2, 8, 8, 1024, 1024, 256, torch.bfloat16, False)]
+    return cases[:2] if quick else cases
+
+
+def _check_attention(gpu: bool, quick: bool) -> bool:
+    from .attention import attention_reference, flash_attention_science
+    from .attention.reference import causal_mask
+    from .bench.common import rel_error, time_gpu
+
+    device = "cuda" if gpu else "cpu"
+    ok = True
+    print("\nattention forward")
+    for batch, hq, hkv, sq, sk, d, dtype, causal in _attention_cases(gpu, quick):
+        q = torch.randn(batch, sq, hq, d, dtype=dtype, device=device).transpose(1, 2)
+        k = torch.randn(batch, sk, hkv, d, dtype=dtype, device=device).transpose(1, 2)
+        v = torch.randn(batch, sk, hkv, d, dtype=dtype, device=device).transpose(1, 2)
+        clear_records()
+        out = flash_attention_science(q, k, v, causal=causal)
+        record = last_launch("attention_forward")
+        ref, _ = attention_reference(q, k, v, causal=causal)
+        group = hq // hkv
+        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        mask = causal_mask(sq, sk, q.device) if causal else None
+        torch_out = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+        ours_err, torch_err = rel_error(out, ref), rel_error(torch_out, ref)
+        passed = ours_err <= 2 * torch_err + 1e-4
+        ok &= passed
+        name = str(dtype).replace("torch.", "")
+        print(f"  B={batch} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} D={d} {name} causal={causal}")
+        print(f"    ran: {_describe(record)}")
+        if gpu and record is not None and record.compiled is not None and device_info().capability >= 90:
+            print(f"    {_matrix_instructions(record)}")
+        print(f"    error vs float64: ours {ours_err:.2e}, PyTorch {name} {torch_err:.2e}  "
+              f"{'ok' if passed else 'FAIL (more than 2x PyTorch)'}")
+        if gpu:
+            ours_t = time_gpu(lambda: flash_attention_science(q, k, v, causal=causal), repeats=3).median_ms
+            sdpa_t = time_gpu(lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask),
+                              repeats=3).median_ms
+            print(f"    GPU time: ours {ours_t * 1e3:.1f} us, SDPA (same mask, repeated K/V) {sdpa_t * 1e3:.1f} us")
+    return ok
+
+
+def _check_moe(gpu: bool, quick: bool) -> bool | None:
+    try:
+        from .moe import doctor_check
+    except ImportError:
+        return None
+    return doctor_check(gpu=gpu, quick=quick, describe=_describe)
+
+
+def run(quick: bool = False) -> int:
+    print("FlashMoE-Science doctor")
+    for line in _environment_lines():
+        print("  " + line)
+    gpu = torch.cuda.is_available()
+    if not gpu and not interpreter_active():
+        print("no GPU and no interpreter: set TRITON_INTERPRET=1 (the flashmoe-science command does this)")
+        return 1
+    results = [_check_attention(gpu, quick), _check_moe(gpu, quick)]
+    ok = all(r for r in results if r is not None)
+    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
