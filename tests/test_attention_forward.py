@@ -40,12 +40,13 @@ def check_against_reference(q, k, v, causal, softmax_scale=None):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     assert not out.isnan().any(), "NaN in the output (an unwritten or 0/0 element)"
-    tol = TOL[q.dtype] if q.device.type == "cpu" or q.dtype != torch.float32 else 2e-3  # tf32 on GPU
-    assert rel_error(out, ref) < tol
+    tf32 = q.device.type == "cuda" and q.dtype == torch.float32  # fp32 dots run in tf32 on the GPU
+    assert rel_error(out, ref) < (3e-3 if tf32 else TOL[q.dtype])
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen), "rows that see no key must have lse = -inf"
     assert torch.all(lse[~seen] == float("-inf"))
-    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=1e-3 if q.dtype != torch.float32 else 1e-5, rtol=1e-4)
+    lse_tol = 1e-5 if q.dtype == torch.float32 and not tf32 else 3e-3
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=lse_tol, rtol=1e-4)
     return out, lse
 
 

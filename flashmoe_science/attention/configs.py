@@ -6,8 +6,14 @@ shared memory one block may take: Hopper (sm90) 227 KB, A100-class (sm80) 163 KB
 parts (sm86, sm89). The K and V tiles of every pipeline stage live in shared memory, so the
 99 KB parts get narrower key blocks or fewer stages at large head dims.
 
-`shipped_builds(capability)` enumerates every specialisation `forward_config` can return, so the
-CPU test compiles each for sm80, sm86, sm89 and sm90 and checks it fits.
+The backward has its own table (`BACKWARD`, read by `backward_config`): its dK/dV kernel keeps
+K and V resident and streams Q and dO, its dQ kernel keeps Q and dO resident and streams K and V,
+and both hold two fp32 accumulators or tiles of BLOCK x D, so its blocks are smaller than the
+forward's at the same head dim.
+
+`shipped_builds(capability)` enumerates every specialisation `forward_config` and
+`backward_config` can return, so the CPU test compiles each for sm80, sm86, sm89 and sm90 and
+checks it fits.
 """
 from __future__ import annotations
 
@@ -36,12 +42,15 @@ C = AttentionConfig
 # FORWARD[family][element bytes][padded head dim] -> (config for long queries, config when the
 # call has too few query blocks to fill the GPU with BLOCK_M = 128).
 FORWARD = {
+    # Measured on an H200 (benchmarks/results/attention_sweep.json, S = 4096, bf16): at D <= 64
+    # two 4-warp programs per SM beat one 8-warp program; at D >= 128 BLOCK_M = 128 with 8 warps
+    # (two warpgroups issuing wgmma) wins, with BLOCK_N = 64 so Q plus pipelined K/V tiles fit.
     90: {
-        2: {16: (C(128, 128, 8, 3), C(64, 64, 4, 3)),
-            32: (C(128, 128, 8, 3), C(64, 64, 4, 3)),
-            64: (C(128, 128, 8, 3), C(64, 64, 4, 3)),
-            128: (C(128, 128, 8, 3), C(64, 64, 4, 3)),
-            256: (C(128, 64, 8, 2), C(64, 64, 4, 2))},
+        2: {16: (C(64, 64, 4, 3), C(64, 64, 4, 3)),
+            32: (C(64, 64, 4, 3), C(64, 64, 4, 3)),
+            64: (C(64, 64, 4, 3), C(64, 64, 4, 3)),
+            128: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
+            256: (C(128, 64, 8, 2), C(64, 32, 4, 2))},
         4: {16: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
             32: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
             64: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
@@ -120,3 +129,167 @@ def shipped_builds(capability: int):
                 aligned=("Q", "K", "V", "O", "LSE", "stride_qb", "stride_qh", "stride_qm", "stride_kb",
                          "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob",
                          "stride_oh", "stride_om"))
+    yield from _backward_builds(capability)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """The two main backward kernels' configurations.
+
+    dkdv: the dK/dV kernel; block_n keys per program (K, V and the fp32 dK, dV accumulators stay
+        on chip), block_m query rows per step (Q and dO stream through `num_stages` buffers).
+    dq: the dQ kernel; block_m query rows per program (Q, dO and the fp32 dQ accumulator stay on
+        chip), block_n keys per step (K and V stream).
+    """
+
+    dkdv: AttentionConfig
+    dq: AttentionConfig
+
+    def __str__(self) -> str:
+        return f"dkdv({self.dkdv}) dq({self.dq})"
+
+
+B = BackwardConfig
+C = AttentionConfig
+# BACKWARD[family][element bytes][padded head dim]. Registers bound the blocks: a dK/dV program
+# holds two fp32 accumulators of block_n x D plus the fp32 score tiles S^T and dP^T of
+# block_n x block_m, a dQ program one accumulator of block_m x D plus S and dP. On Hopper that
+# gives 128 resident rows at D <= 128 and 64 at D = 256, with 8 warps (two warpgroups for wgmma)
+# so the tiles stay near 128 to 192 registers per thread. Shared memory holds the resident pair
+# (K, V or Q, dO) plus one streamed pair per stage; the 163 KB and 99 KB parts get fewer stages
+# or narrower blocks, fp32 (tf32 products, twice the bytes) half-size blocks.
+BACKWARD = {
+    90: {
+        2: {16: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
+            32: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
+            64: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
+            128: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
+            256: B(C(64, 64, 8, 2), C(64, 64, 8, 2))},
+        4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            32: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            64: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            128: B(C(32, 64, 8, 2), C(64, 32, 8, 2)),
+            256: B(C(16, 64, 8, 2), C(32, 32, 8, 2))},
+    },
+    80: {
+        2: {16: B(C(32, 128, 4, 3), C(128, 32, 4, 3)),
+            32: B(C(32, 128, 4, 3), C(128, 32, 4, 3)),
+            64: B(C(32, 128, 4, 3), C(128, 32, 4, 3)),
+            128: B(C(64, 128, 8, 2), C(128, 64, 8, 2)),
+            256: B(C(32, 64, 8, 2), C(64, 32, 8, 2))},
+        4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            32: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            64: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            128: B(C(32, 64, 8, 2), C(64, 32, 8, 2)),
+            256: B(C(16, 32, 4, 2), C(32, 16, 4, 2))},
+    },
+    89: {
+        2: {16: B(C(32, 64, 4, 3), C(64, 64, 4, 3)),
+            32: B(C(32, 64, 4, 3), C(64, 64, 4, 3)),
+            64: B(C(32, 64, 4, 2), C(64, 64, 4, 2)),
+            128: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            256: B(C(16, 32, 4, 2), C(32, 16, 4, 2))},
+        4: {16: B(C(16, 64, 4, 2), C(32, 32, 4, 2)),
+            32: B(C(16, 64, 4, 2), C(32, 32, 4, 2)),
+            64: B(C(16, 64, 4, 2), C(32, 32, 4, 2)),
+            128: B(C(16, 32, 4, 2), C(32, 16, 4, 2)),
+            256: B(C(16, 16, 4, 1), C(16, 16, 4, 1))},
+    },
+}
+del B, C
+
+
+def backward_config(device: DeviceInfo, element_size: int, head_dim: int) -> BackwardConfig:
+    """The backward configuration for a call on `device`."""
+    return BACKWARD[device.arch_family][element_size][head_dim_block(head_dim)]
+
+
+def preprocess_block_m(block_d: int) -> int:
+    """Query rows per program of the backward preprocess (delta = rowsum(dO * O)): a tile of
+    4096 elements per tensor, 32 per thread with 4 warps; the kernel only streams memory."""
+    return max(16, 4096 // block_d)
+
+
+PREPROCESS_WARPS = 4
+
+
+def backward_configs(capability: int):
+    """Every (element size, padded head dim, config) the backward dispatcher can pick."""
+    from ..device import SHARED_MEMORY_PER_BLOCK
+
+    probe = DeviceInfo("", capability, 1, SHARED_MEMORY_PER_BLOCK[capability], 0)
+    for element_size, by_dim in BACKWARD[probe.arch_family].items():
+        for block_d, cfg in by_dim.items():
+            yield element_size, block_d, cfg
+
+
+# Shared memory a sweep candidate may plan for, by family (a little under each limit, leaving
+# room for the compiler's layout-conversion scratch).
+_SWEEP_SHARED_BYTES = {90: 220 * 1024, 80: 156 * 1024, 89: 92 * 1024}
+
+
+def backward_candidates(family: int, element_size: int, block_d: int):
+    """Backward configurations worth timing for a padded head dim on a device family.
+
+    The two kernels run one after the other and are tuned independently: the candidates are the
+    table's configuration with its dK/dV kernel replaced by each alternative, then with its dQ
+    kernel replaced. Alternatives span the resident block (64, 128), the streamed block (32, 64,
+    128), 4 or 8 warps and 2 or 3 stages, keeping those whose shared memory (the resident pair
+    plus one streamed pair per stage) fits and whose fp32 tiles (accumulators and the two score
+    tiles) stay at or below 192 registers per thread. At D = 256, where those limits leave few
+    of them, blocks of 32 (resident) and 16 (streamed) rows are tried as well.
+    """
+    from itertools import product
+
+    base = BACKWARD[family][element_size][block_d]
+    budget = _SWEEP_SHARED_BYTES[family]
+    resident_blocks, streamed_blocks = ((32, 64, 128), (16, 32, 64, 128)) if block_d >= 256 else ((64, 128), (32, 64, 128))
+
+    def alternatives(accumulators: int):
+        for resident, streamed, warps, stages in product(resident_blocks, streamed_blocks, (4, 8), (2, 3)):
+            smem = element_size * block_d * 2 * (resident + streamed * stages)
+            tile_regs = resident * (accumulators * block_d + 2 * streamed) // (32 * warps)
+            if smem <= budget and tile_regs <= 192:
+                yield resident, streamed, warps, stages
+
+    yield base
+    for keys, rows, warps, stages in alternatives(accumulators=2):
+        cfg = AttentionConfig(rows, keys, warps, stages)
+        if cfg != base.dkdv:
+            yield BackwardConfig(cfg, base.dq)
+    for rows, keys, warps, stages in alternatives(accumulators=1):
+        cfg = AttentionConfig(rows, keys, warps, stages)
+        if cfg != base.dq:
+            yield BackwardConfig(base.dkdv, cfg)
+
+
+def _backward_builds(capability: int):
+    from ..target_compile import KernelBuild
+    from ._kernels import backward
+
+    ptr = {2: "*fp16", 4: "*fp32"}
+
+    def build(kernel, label, element_size, block_d, pointers, constexprs, num_warps, num_stages):
+        sig = {arg: "i32" for arg in kernel.arg_names}
+        sig.update({arg: ptr[element_size] for arg in pointers})
+        sig.update({arg: "*fp32" for arg in ("LSE", "DELTA") if arg in sig})
+        sig.update({arg: "fp32" for arg in ("softmax_scale", "scale_log2") if arg in sig})
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, **constexprs)
+        sig.update({arg: "constexpr" for arg in constexprs})
+        aligned = [a for a in kernel.arg_names if a in pointers or a in ("LSE", "DELTA") or a.startswith("stride_")]
+        return KernelBuild(label=f"{label} fp{8 * element_size} D={block_d}", fn=kernel, signature=sig,
+                           constexprs=constexprs, num_warps=num_warps, num_stages=num_stages,
+                           aligned=tuple(aligned))
+
+    for element_size, block_d, cfg in backward_configs(capability):
+        rows = preprocess_block_m(block_d)
+        yield build(backward.attention_backward_preprocess_kernel,
+                    f"attention_backward_preprocess BLOCK_M={rows} warps={PREPROCESS_WARPS}", element_size, block_d,
+                    ("O", "DO"), dict(BLOCK_M=rows), PREPROCESS_WARPS, 1)
+        yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {cfg.dkdv}", element_size,
+                    block_d, ("Q", "K", "V", "DO", "DK", "DV"),
+                    dict(BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n), cfg.dkdv.num_warps,
+                    cfg.dkdv.num_stages)
+        yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {cfg.dq}", element_size,
+                    block_d, ("Q", "K", "V", "DO", "DQ"), dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n),
+                    cfg.dq.num_warps, cfg.dq.num_stages)

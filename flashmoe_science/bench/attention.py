@@ -112,6 +112,9 @@ def _small(args, device):
 def _flex_impl(seqlen, causal, device):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # Every benchmark shape compiles its own kernel: lift dynamo's recompile limit so none falls
+    # back to the unfused eager path.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if causal:
