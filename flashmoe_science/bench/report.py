@@ -1,0 +1,144 @@
+"""Generate the README's benchmark tables from committed results files.
+
+Every table sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->` in the README,
+where NAME is a results file's stem in benchmarks/results (attention_fwd, moe_fwd, ...). The
+tables are never typed by hand: `flashmoe-science report` rewrites them, and a test checks the
+README matches the files.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+_MARKER = re.compile(r"(<!-- results:(?P<name>[\w+-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
+_IMPL_NAMES = {"sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient",
+               "flex": "Flex (compiled)", "ours": "ours", "sdpa_default": "SDPA default", "sdpa_math": "SDPA math",
+               "naive": "per-expert loop", "grouped_mm": "grouped-mm"}
+
+
+def _source_line(name: str, meta: dict) -> str:
+    gpu = meta.get("gpu") or "CPU (Triton interpreter)"
+    cap = f" (sm{meta['capability'].replace('.', '')})" if meta.get("capability") else ""
+    return (f"_{gpu}{cap}, torch {meta.get('torch')}, triton {meta.get('triton')}, cuDNN {meta.get('cudnn')}, "
+            f"{str(meta.get('date', ''))[:10]}; file `benchmarks/results/{name}.json`, "
+            f"command `flashmoe-science {meta.get('command', '')}`._\n")
+
+
+def _fmt(x, digits=0):
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def _ratio_ci(r, key="ours_speedup"):
+    if r.get(key) is None:
+        return ""
+    lo, hi = r.get(key + "_ci") or (None, None)
+    return f"{r[key]:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
+
+
+def _attention_small(rows) -> str:
+    out = ["| B, H, S, D | dtype | causal | ours µs/call | SDPA µs/call | speedup [95% CI] | ours GPU µs | "
+           "SDPA GPU µs | rel. error ours / SDPA |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['batch']}, {r['heads']}, {r['seqlen']}, {r['head_dim']} | {r['dtype']} | "
+                   f"{'yes' if r['causal'] else 'no'} | {r['ours_wall_us']:.1f} | {r['sdpa_wall_us']:.1f} | "
+                   f"{_ratio_ci(r, 'speedup_wall')} | {r['ours_gpu_us']:.1f} | {r['sdpa_gpu_us']:.1f} | "
+                   f"{r['ours_rel_err']:.1e} / {r['sdpa_rel_err']:.1e} |")
+    return "\n".join(out) + "\n"
+
+
+def _attention_throughput(rows) -> str:
+    impls = list(dict.fromkeys(r["impl"] for r in rows if r.get("impl")))
+    others = [i for i in impls if i != "ours"]
+    grid: dict = {}
+    for r in rows:
+        grid.setdefault((r["head_dim"], r["seqlen"], r["causal"]), {})[r["impl"]] = r
+    head = ["D", "S", "causal"] + [_IMPL_NAMES.get(i, i) for i in impls] + \
+        [f"ours / {_IMPL_NAMES.get(i, i)}" for i in others if i in ("sdpa_flash", "sdpa_cudnn", "flex")]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (d, s, causal), by in sorted(grid.items()):
+        cells = [str(d), str(s), "yes" if causal else "no"]
+        cells += [_fmt(by.get(i, {}).get("tflops")) for i in impls]
+        cells += [_ratio_ci(by[i]) if i in by else "" for i in others if i in ("sdpa_flash", "sdpa_cudnn", "flex")]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _attention_extra(rows) -> str:
+    out = []
+    for r in rows:
+        if r["section"] == "memory":
+            out.append(f"- peak extra memory, forward+backward, B={r['batch']} H={r['heads']} S={r['seqlen']} "
+                       f"D={r['head_dim']} causal: {_IMPL_NAMES.get(r['impl'], r['impl'])} {r['peak_extra_mib']:.0f} MiB")
+        elif r["section"] == "train":
+            speed = f", ours {_ratio_ci(r)}x faster" if r.get("ours_speedup") else ""
+            out.append(f"- transformer block forward+backward (B={r['batch']}, S={r['seqlen']}, dim={r['dim']}, "
+                       f"{r['heads']} heads, causal, bf16): {_IMPL_NAMES.get(r['impl'], r['impl'])} "
+                       f"{r['ms']:.2f} ms{speed}")
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def render_attention(name: str, result: dict) -> str:
+    rows, meta = result["rows"], result["meta"]
+    parts = [_source_line(name, meta)]
+    small = [r for r in rows if r.get("section") == "small"]
+    if small:
+        parts.append("\nSmall calls (the earlier attempt's benchmark): wall-clock per call of back-to-back "
+                     "calls (host and GPU, what a user feels) and GPU time from CUDA events, ours against "
+                     "SDPA's default dispatch; error relative to float64.\n\n" + _attention_small(small))
+    tput = [r for r in rows if r.get("section") == "throughput" and r.get("tflops")]
+    if tput:
+        parts.append(f"\nThroughput, TFLOP/s ({meta.get('mode')}; 16k tokens per batch, Hq·D = 2048, bf16; "
+                     "ratios are time ratios with 95% intervals):\n\n" + _attention_throughput(tput))
+    extra = _attention_extra([r for r in rows if r.get("section") in ("memory", "train")])
+    if extra:
+        parts.append("\n" + extra)
+    return "".join(parts)
+
+
+def render_generic(name: str, result: dict) -> str:
+    """A table of every column, for results files without a dedicated renderer."""
+    rows = result["rows"]
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if not c.endswith("_ci")]
+    out = [_source_line(name, result["meta"]), "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _cell(v):
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return "" if v is None else str(v)
+
+
+def render(name: str, result: dict) -> str:
+    if name.startswith("attention_"):
+        return render_attention(name, result)
+    try:
+        from . import moe
+    except ImportError:
+        return render_generic(name, result)
+    renderer = getattr(moe, "render", None)
+    return renderer(name, result) if renderer else render_generic(name, result)
+
+
+def update_readme(results_dir, readme_path, *, check: bool = False) -> bool:
+    """Rewrites every results table in the README; returns whether anything changed."""
+    readme = Path(readme_path)
+    text = readme.read_text()
+
+    def replace(match):
+        path = Path(results_dir) / f"{match['name']}.json"
+        if not path.exists():
+            body = f"_No results file `{path}` yet._\n"
+        else:
+            body = render(match["name"], json.loads(path.read_text()))
+        return match.group(1) + body + match.group(4)
+
+    new = _MARKER.sub(replace, text)
+    changed = new != text
+    if changed and not check:
+        readme.write_text(new)
+    return changed
