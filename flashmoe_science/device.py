@@ -42,8 +42,9 @@ class DeviceInfo:
 
     @property
     def arch_family(self) -> int:
-        """The configuration family: 90 (Hopper), 80 (A100-class, 163 KB), 89 (99 KB parts)."""
-        if self.capability >= 90:
+        """The configuration family: 90 (Hopper-class: wgmma and 227 KB of shared memory),
+        80 (A100-class, 163 KB) or 89 (the 99 KB parts: sm86, sm89, and consumer sm120)."""
+        if self.capability >= 90 and self.shared_memory_per_block >= 200 * 1024:
             return 90
         if self.shared_memory_per_block >= 160 * 1024:
             return 80

@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode", choices=["fwd", "bwd", "fwd+bwd"], default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
     parser.add_argument("--sections", default=None,
-                        help="comma list of small,throughput,memory,train (default: all that apply)")
+                        help="comma list of overhead,small,throughput,memory,train (default: all that apply)")
     parser.add_argument("--head-dims", default="64,128,256", help="throughput head dims")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="throughput sequence lengths")
     parser.add_argument("--flex-head-dims", default="128",
@@ -106,6 +106,37 @@ def _small(args, device):
             speedup_gpu=gpu_sdpa.median_ms / gpu_ours.median_ms,
             ours_max_abs_err=max_abs_error(out_ours, ref), sdpa_max_abs_err=max_abs_error(out_sdpa, ref),
             ours_rel_err=rel_error(out_ours, ref), sdpa_rel_err=rel_error(out_sdpa, ref)))
+    return rows
+
+
+def _overhead(args, device):
+    """Host cost per call of launching an empty Triton kernel the ordinary way and through our
+    launcher, next to a whole small attention call: what the wrapper itself adds."""
+    import triton
+    import triton.language as tl
+
+    from ..launch import KernelLauncher
+
+    @triton.jit
+    def empty_kernel(x, n: tl.constexpr):
+        pass
+
+    x = torch.empty(1, device=device)
+    launcher = KernelLauncher("bench_empty", empty_kernel)
+    q, k, v = _inputs(1, 1, 128, 64, torch.float16, device)
+    calls = {
+        "empty Triton kernel, ordinary launch": lambda: empty_kernel[(1,)](x, 1),
+        "empty Triton kernel, our launcher": lambda: launcher.launch(("empty",), (1, 1, 1), (x, 1), num_warps=1,
+                                                                    num_stages=1),
+        "flash_attention_science (1, 1, 128, 64) fp16": lambda: flash_attention_science(q, k, v),
+        "scaled_dot_product_attention (1, 1, 128, 64) fp16":
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+    }
+    rows = []
+    for what, fn in calls.items():
+        t = time_wall(fn, calls=2000, repeats=args.repeats)
+        rows.append(dict(section="overhead", what=what, wall_us=t.median_ms * 1e3,
+                         wall_us_ci=[t.lo_ms * 1e3, t.hi_ms * 1e3]))
     return rows
 
 
@@ -310,11 +341,12 @@ def run(args) -> dict:
         # No GPU: the small section only, through Triton's interpreter; timings are CPU timings.
         meta["note"] = "no GPU: Triton CPU interpreter at small size; timings are not GPU figures"
         return {"name": "attention_interpreter", "rows": _small(args, device), "meta": meta}
-    default = ["small", "throughput"] if args.mode == "fwd" else ["throughput", "memory", "train"]
+    default = ["overhead", "small", "throughput"] if args.mode == "fwd" else ["throughput", "memory", "train"]
     sections = args.sections.split(",") if args.sections else default
     rows = []
     for section in sections:
-        rows += {"small": _small, "throughput": _throughput, "memory": _memory, "train": _train}[section](args, device)
+        rows += {"overhead": _overhead, "small": _small, "throughput": _throughput, "memory": _memory,
+                 "train": _train}[section](args, device)
     name = "attention_" + args.mode.replace("+", "_")
     return {"name": name, "rows": rows, "meta": meta}
 
@@ -372,6 +404,8 @@ def summarize(result: dict) -> str:
         else:
             lines.append(f"D={d} S={s} causal={causal}: " + ", ".join(f"{k} {v:.0f}" for k, v in by_impl.items()))
     for r in rows:
+        if r.get("section") == "overhead":
+            lines.append(f"host per call: {r['what']}: {r['wall_us']:.1f} us")
         if r.get("section") in ("memory", "train"):
             lines.append(f"{r['section']} {r['impl']}: " + (f"{r['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in r
                                                             else f"{r['ms']:.2f} ms"))

@@ -68,7 +68,10 @@ def _attention_throughput(rows) -> str:
 def _attention_extra(rows) -> str:
     out = []
     for r in rows:
-        if r["section"] == "memory":
+        if r["section"] == "overhead":
+            lo, hi = r["wall_us_ci"]
+            out.append(f"- host time per call, {r['what']}: {r['wall_us']:.1f} µs [{lo:.1f}, {hi:.1f}]")
+        elif r["section"] == "memory":
             out.append(f"- peak extra memory, forward+backward, B={r['batch']} H={r['heads']} S={r['seqlen']} "
                        f"D={r['head_dim']} causal: {_IMPL_NAMES.get(r['impl'], r['impl'])} {r['peak_extra_mib']:.0f} MiB")
         elif r["section"] == "train":
@@ -91,7 +94,7 @@ def render_attention(name: str, result: dict) -> str:
     if tput:
         parts.append(f"\nThroughput, TFLOP/s ({meta.get('mode')}; 16k tokens per batch, Hq·D = 2048, bf16; "
                      "ratios are time ratios with 95% intervals):\n\n" + _attention_throughput(tput))
-    extra = _attention_extra([r for r in rows if r.get("section") in ("memory", "train")])
+    extra = _attention_extra([r for r in rows if r.get("section") in ("overhead", "memory", "train")])
     if extra:
         parts.append("\n" + extra)
     return "".join(parts)
