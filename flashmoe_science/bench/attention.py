@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 
 import torch
+import triton
+import triton.language as tl
 
 from ..attention import attention_reference, flash_attention_science
 from ..device import interpreter_active
@@ -109,17 +111,15 @@ def _small(args, device):
     return rows
 
 
+@triton.jit
+def empty_kernel(x, n: tl.constexpr):
+    pass
+
+
 def _overhead(args, device):
     """Host cost per call of launching an empty Triton kernel the ordinary way and through our
     launcher, next to a whole small attention call: what the wrapper itself adds."""
-    import triton
-    import triton.language as tl
-
     from ..launch import KernelLauncher
-
-    @triton.jit
-    def empty_kernel(x, n: tl.constexpr):
-        pass
 
     x = torch.empty(1, device=device)
     launcher = KernelLauncher("bench_empty", empty_kernel)
