@@ -38,7 +38,7 @@ def _bench(args) -> int:
     if not args.no_plot and hasattr(module, "plot"):
         png = json_path.with_suffix(".png")
         try:
-            module.plot({**result, "meta": meta}, png)
+            module.plot(result["rows"], png)
         except ImportError as exc:
             print(f"plot skipped: {exc}", file=sys.stderr)
         else:

@@ -101,12 +101,52 @@ def _check_attention(gpu: bool, quick: bool) -> bool:
     return ok
 
 
-def _check_moe(gpu: bool, quick: bool) -> bool | None:
-    try:
-        from .moe import doctor_check
-    except ImportError:
-        return None
-    return doctor_check(gpu=gpu, quick=quick, describe=_describe)
+def _moe_cases(gpu: bool, quick: bool):
+    """(name, E, top_k, H, I, T, dtype)."""
+    if not gpu:
+        return [("tiny", 8, 2, 64, 32, 5, torch.float32)]
+    cases = [("Qwen3-30B-A3B decode", 128, 8, 2048, 768, 1, torch.bfloat16),
+             ("Qwen3-30B-A3B prefill", 128, 8, 2048, 768, 2048, torch.bfloat16),
+             ("Mixtral-8x7B", 8, 2, 4096, 14336, 64, torch.bfloat16)]
+    return cases[:2] if quick else cases
+
+
+def _check_moe(gpu: bool, quick: bool) -> bool:
+    from .bench.common import rel_error, time_gpu
+    from .moe import fused_moe, moe_route
+    from .moe.experts import describe
+    from .moe.reference import fused_experts_torch, fused_moe_torch
+
+    device = "cuda" if gpu else "cpu"
+    ok = True
+    print("\nfused MoE forward")
+    for name, experts, top_k, hidden, inter, tokens, dtype in _moe_cases(gpu, quick):
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        w1 = (torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, device=device) / inter**0.5).to(dtype)
+        logits = torch.randn(tokens, experts, device=device, dtype=dtype)
+        clear_records()
+        out = fused_moe(x, w1, w2, logits, top_k)
+        records = [last_launch(op) for op in ("moe_route", "moe_align", "moe_gate_up", "moe_down", "moe_combine")]
+        weights, ids = moe_route(logits, top_k)
+        ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+        torch_err = rel_error(fused_experts_torch(x, w1, w2, weights, ids), ref)
+        ours_err = rel_error(out, ref)
+        passed = ours_err <= 2 * torch_err + 1e-4
+        ok &= passed
+        label = str(dtype).replace("torch.", "")
+        print(f"  {name}: E={experts} k={top_k} H={hidden} I={inter} T={tokens} {label}, "
+              f"path {describe(x, w1, top_k)['path']}")
+        for record in records:
+            if record is not None:
+                print(f"    ran: {_describe(record)}")
+        print(f"    error vs float64: ours {ours_err:.2e}, PyTorch {label} {torch_err:.2e}  "
+              f"{'ok' if passed else 'FAIL (more than 2x PyTorch)'}")
+        if gpu:
+            ours_t = time_gpu(lambda: fused_moe(x, w1, w2, logits, top_k), repeats=3).median_ms
+            loop_t = time_gpu(lambda: fused_moe_torch(x, w1, w2, logits, top_k), repeats=3).median_ms
+            print(f"    GPU time: ours {ours_t * 1e3:.1f} us, per-expert PyTorch loop {loop_t * 1e3:.1f} us")
+    return ok
 
 
 def run(quick: bool = False) -> int:
@@ -117,7 +157,7 @@ def run(quick: bool = False) -> int:
     if not gpu and not interpreter_active():
         print("no GPU and no interpreter: set TRITON_INTERPRET=1 (the flashmoe-science command does this)")
         return 1
-    results = [_check_attention(gpu, quick), _check_moe(gpu, quick)]
-    ok = all(r for r in results if r is not None)
+    ok = _check_attention(gpu, quick)
+    ok &= _check_moe(gpu, quick)
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1

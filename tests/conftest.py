@@ -3,7 +3,10 @@
 TRITON_INTERPRET must be set before triton compiles any `@triton.jit` function, so it is set
 here, before the package is imported. Tests marked `gpu` are skipped where there is no GPU.
 """
+import json
 import os
+import subprocess
+import sys
 import zlib
 
 import torch
@@ -33,3 +36,24 @@ def device():
 def _fresh_seed(request):
     """Each test draws fresh random inputs, but reproducibly from its own name."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def compiled_rows():
+    """Every shipped build of every operation compiled for sm80, sm86, sm89 and sm90 (rows of
+    `python -m flashmoe_science.target_compile`). Compiling for a GPU target needs Triton's
+    compiler, not its interpreter, so it runs in subprocesses without TRITON_INTERPRET: two at
+    once, half of the targets each."""
+    from flashmoe_science.device import SUPPORTED_TARGETS
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    half = len(SUPPORTED_TARGETS) // 2
+    procs = [subprocess.Popen([sys.executable, "-m", "flashmoe_science.target_compile", *(f"sm{c}" for c in caps)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for caps in (SUPPORTED_TARGETS[:half], SUPPORTED_TARGETS[half:])]
+    rows = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=1800)
+        assert stdout, stderr[-3000:]
+        rows += json.loads(stdout)
+    return rows

@@ -351,13 +351,13 @@ def run(args) -> dict:
     return {"name": name, "rows": rows, "meta": meta}
 
 
-def plot(result: dict, path) -> None:
+def plot(rows, path) -> None:
     """TFLOP/s against S for every implementation, one panel per (head dim, causal)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r.get("section") == "throughput" and r.get("tflops")]
+    rows = [r for r in rows if r.get("section") == "throughput" and r.get("tflops")]
     if not rows:
         return
     panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
@@ -369,7 +369,7 @@ def plot(result: dict, path) -> None:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=impl, linewidth=2.5 if impl == "ours" else 1.2)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"D={head_dim} {'causal' if causal else 'non-causal'} ({result['meta'].get('mode')})")
+        ax.set_title(f"D={head_dim} {'causal' if causal else 'non-causal'} ({rows[0]['mode']})")
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
         ax.grid(alpha=0.3)

@@ -1,0 +1,359 @@
+"""`flashmoe-science bench moe`: the fused MoE forward side by side with what users run today.
+
+Implementations, on the same inputs in one process:
+- ours: `fused_moe` (routing, dispatch, two grouped GEMMs and the combine in Triton kernels);
+- gmm: routing in PyTorch, a stable sort of the token-expert pairs by expert, and
+  `torch._grouped_mm` for both expert matmuls, then index_add back (torchtitan's path);
+- naive: the per-expert loop of most model code (index, two matmuls, index_add), which is
+  `reference.fused_experts_torch` after PyTorch routing.
+
+Each row: GPU time (do_bench medians over `repeats` runs, 95% interval), TFLOP/s counted as
+6*T*k*H*I, wall-clock per call up to 1024 tokens, the time of a CUDA-graph replay up to 128
+tokens (how decode is served; ours and gmm, the naive loop synchronises), and for T <= 64 the
+weight bandwidth: bytes of the experts the call touches (3*H*I*2 each) over the time, as a
+fraction of a device copy measured in the same run. The speedup against gmm comes with a
+bootstrap interval. Correctness: `rel_error`, the relative error of the first 128 tokens
+against the float64 reference of the formula (with our routing: bf16 logits can tie, and
+gmm/naive break ties their own way), next to `torch_rel_error`, PyTorch's own error in the
+input precision (bf16 on the GPU) on the same rows.
+
+`--sweep` times a grid of GEMM configurations per shape and token count (CUDA-graph replays of
+each kernel alone) and prints, per load bucket of configs.EXPERTS, the configuration with the
+best total time relative to each case's best, as a table to paste into configs.py.
+
+On a machine without a GPU the kernels run in Triton's interpreter: `--quick` then runs a tiny
+shape in fp32 to exercise the code, and the timings mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+
+import torch
+
+from ..device import info_for, interpreter_active
+from ..moe import configs, experts, fused_moe, moe_route, routing
+from ..moe.reference import fused_experts_torch, gated_activation_torch, moe_route_torch
+from . import common
+
+# name: (E, top_k, H, I)
+SHAPES = {
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v2-lite": (64, 6, 2048, 1408),
+    "olmoe-1b-7b": (64, 8, 2048, 1024),
+}
+TINY_SHAPE = {"tiny": (8, 2, 64, 32)}
+TOKENS = (1, 16, 128, 1024, 4096, 16384)
+QUICK_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")
+QUICK_TOKENS = (1, 4096)
+IMPLS = ("ours", "gmm", "naive")
+REFERENCE_TOKENS = 128
+WALL_MAX_TOKENS = 1024
+GRAPH_MAX_TOKENS = 128
+# The naive loop costs 5 to 20 ms a call at E = 128 (ANCHORS.md): beyond this many tokens it is
+# timed with at most two repeats, which keeps the whole run to a few minutes.
+NAIVE_FEW_REPEATS_TOKENS = 1024
+
+# Sweep candidates: (BLOCK_N, BLOCK_K, GROUP_M, warps, stages) per GEMM, by BLOCK_M, and the
+# BLOCK_M values tried for each load bucket of the table (its own and its neighbours).
+_SMALL_M = [(bn, bk, 1, w, st) for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8) for st in (3, 5)]
+SWEEP_CANDIDATES = {
+    16: _SMALL_M,
+    32: _SMALL_M,
+    64: [(bn, bk, gm, 4, st) for bn in (64, 128, 256) for bk in (64, 128) for gm in (1, 8) for st in (3, 4)],
+    128: [(bn, bk, gm, 8, st) for bn in (64, 128, 256) for bk in (64, 128) for gm in (1, 8) for st in (3, 4)],
+}
+SWEEP_BLOCK_M = {8: (16, 32), 32: (16, 32, 64), 96: (32, 64, 128), None: (64, 128)}
+SWEEP_TOKENS = (1, 128, 1024, 16384)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+                        help="model shapes (default: all; --quick: qwen3-30b-a3b, mixtral-8x7b)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=None,
+                        help=f"token counts T (default: {' '.join(map(str, TOKENS))}; --sweep: "
+                             f"{' '.join(map(str, SWEEP_TOKENS))})")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to time")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time candidate GEMM configurations and print the best per load bucket")
+    try:
+        parser.add_argument("--quick", action="store_true", help="a small subset (a tiny shape on the CPU)")
+    except argparse.ArgumentError:  # the CLI already gives every benchmark --quick
+        pass
+
+
+def make_layer(E, H, I, dtype, device, generator):
+    """Weights ~ N(0, 1/fan_in), drawn in place so Mixtral's 2.8 GB never exist in fp32."""
+    w1 = torch.empty(E, 2 * I, H, dtype=dtype, device=device).normal_(0, H**-0.5, generator=generator)
+    w2 = torch.empty(E, H, I, dtype=dtype, device=device).normal_(0, I**-0.5, generator=generator)
+    return w1, w2
+
+
+def gmm_forward(x, w1, w2, router_logits, top_k):
+    """Sort the token-expert pairs by expert, then torch._grouped_mm for both expert matmuls."""
+    E, two_i, _ = w1.shape
+    weights, ids = moe_route_torch(router_logits, top_k)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    ends = torch.searchsorted(flat[order], torch.arange(E, device=x.device), right=True).to(torch.int32)
+    tokens = order // top_k
+    h = torch._grouped_mm(x[tokens], w1.transpose(1, 2), offs=ends)
+    a = gated_activation_torch(h[:, : two_i // 2], h[:, two_i // 2:])
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=ends) * weights.flatten()[order, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+def naive_forward(x, w1, w2, router_logits, top_k):
+    weights, ids = moe_route_torch(router_logits, top_k)
+    return fused_experts_torch(x, w1, w2, weights, ids)
+
+
+def _gmm_unavailable(device, dtype) -> str | None:
+    """None when torch._grouped_mm runs here, else why not."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    try:
+        x = torch.randn(8, 32, device=device, dtype=dtype)
+        w1 = torch.randn(2, 32, 32, device=device, dtype=dtype)
+        w2 = torch.randn(2, 32, 16, device=device, dtype=dtype)
+        gmm_forward(x, w1, w2, torch.randn(8, 2, device=device), 1)
+    except Exception as exc:  # recorded in the results instead of failing the run
+        return f"torch._grouped_mm failed: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def _graph_replay(fn):
+    """fn captured in a CUDA graph; returns the replay (time it for GPU time without the host)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _setup(args):
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        names = args.shapes or (list(QUICK_SHAPES) if args.quick else list(SHAPES))
+        shapes = {name: SHAPES[name] for name in names}
+        default_tokens = QUICK_TOKENS if args.quick else (SWEEP_TOKENS if args.sweep else TOKENS)
+        return shapes, list(args.tokens or default_tokens), torch.device("cuda"), torch.bfloat16
+    if not (args.quick and interpreter_active()):
+        raise SystemExit("bench moe needs a CUDA GPU; without one, --quick with TRITON_INTERPRET=1 runs a "
+                         "tiny shape through Triton's interpreter to exercise the code")
+    return dict(TINY_SHAPE), list(args.tokens or (1, 33)), torch.device("cpu"), torch.float32
+
+
+def run(args) -> dict:
+    shapes, tokens, device, dtype = _setup(args)
+    meta = {"dtype": str(dtype).replace("torch.", ""), "shapes": shapes, "tokens": tokens,
+            "interpreter": interpreter_active()}
+    if interpreter_active():
+        meta["note"] = "Triton interpreter on the CPU, tiny shape: the timings mean nothing"
+    if args.sweep:
+        rows, table = sweep(args, shapes, tokens, device, dtype)
+        meta["best_configs"] = table
+        print(table)
+        return {"name": "moe_sweep", "rows": rows, "meta": meta}
+    meta["copy_tbps"] = common.measure_copy_bandwidth()
+    gmm_reason = _gmm_unavailable(device, dtype) if "gmm" in args.impls else "not requested"
+    meta["gmm"] = gmm_reason or "torch._grouped_mm"
+    impls = [i for i in args.impls if i != "gmm" or gmm_reason is None]
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    cases = [(name, T) for name in shapes for T in tokens]
+    current = w1 = w2 = w64 = None
+    for name, T in args.progress(cases, desc="bench moe"):
+        E, k, H, I = shapes[name]
+        if current != name:
+            w1 = w2 = w64 = None  # free the previous shape's weights (Mixtral's are 14 GB with the fp64 copy)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            current, (w1, w2) = name, make_layer(E, H, I, dtype, device, generator)
+            w64 = (w1.double(), w2.double())
+        rows += _bench_case(args, name, (E, k, H, I), T, impls, w1, w2, w64, meta["copy_tbps"], generator)
+    return {"name": "moe", "rows": rows, "meta": meta}
+
+
+def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator):
+    E, k, H, I = shape
+    device, dtype = w1.device, w1.dtype
+    x = torch.randn(T, H, device=device, generator=generator).to(dtype)
+    logits = torch.randn(T, E, device=device, generator=generator).to(dtype)
+    fns = {"ours": lambda: fused_moe(x, w1, w2, logits, k), "gmm": lambda: gmm_forward(x, w1, w2, logits, k),
+           "naive": lambda: naive_forward(x, w1, w2, logits, k)}
+    # Correctness on the first rows, all with our routing (see the module docstring).
+    S = min(T, REFERENCE_TOKENS)
+    weights, ids = moe_route(logits[:S], k)
+    ref = fused_experts_torch(x[:S].double(), *w64, weights.double(), ids)
+    torch_error = common.rel_error(fused_experts_torch(x[:S], w1, w2, weights, ids), ref)
+    touched = torch.unique(ids).numel() if T <= configs.DECODE_MAX_TOKENS else None
+    flops = 6.0 * T * k * H * I
+    timings, rows = {}, {}
+    for impl in impls:
+        repeats = args.repeats if impl != "naive" or T <= NAIVE_FEW_REPEATS_TOKENS else min(args.repeats, 2)
+        timing = common.time_gpu(fns[impl], warmup_ms=args.warmup, rep_ms=args.rep, repeats=repeats)
+        timings[impl] = timing
+        row = {"shape": name, "E": E, "top_k": k, "H": H, "I": I, "T": T, "impl": impl,
+               "ms": timing.median_ms, "ms_lo": timing.lo_ms, "ms_hi": timing.hi_ms,
+               "tflops": flops / (timing.median_ms * 1e-3) / 1e12,
+               "rel_error": common.rel_error(fns[impl]()[:S], ref), "torch_rel_error": torch_error}
+        if T <= WALL_MAX_TOKENS:
+            calls = max(1, min(200, int(100 / max(timing.median_ms, 1e-3))))
+            row["wall_ms"] = common.time_wall(fns[impl], calls=calls, repeats=args.repeats).median_ms
+        if T <= GRAPH_MAX_TOKENS and impl != "naive" and device.type == "cuda":
+            row["graph_ms"] = common.time_gpu(_graph_replay(fns[impl]), warmup_ms=args.warmup, rep_ms=args.rep,
+                                              repeats=args.repeats).median_ms
+        if touched is not None:
+            weight_bytes = touched * 3 * H * I * w1.element_size()
+            row["touched_experts"] = touched
+            row["weight_tbps"] = weight_bytes / (timing.median_ms * 1e-3) / 1e12
+            row["weight_fraction_of_copy"] = row["weight_tbps"] / copy_tbps
+            if "graph_ms" in row:
+                row["weight_tbps_graph"] = weight_bytes / (row["graph_ms"] * 1e-3) / 1e12
+        if impl == "ours":
+            row.update(experts.describe(x, w1, k))
+        rows[impl] = row
+    if "gmm" in timings:
+        for impl, row in rows.items():
+            ratio, lo, hi = common.speedup_interval(timings[impl], timings["gmm"])
+            row.update(speedup_vs_gmm=ratio, speedup_lo=lo, speedup_hi=hi)
+    return list(rows.values())
+
+
+def _bucket_name(bound) -> str:
+    return "any" if bound is None else f"<={bound}"
+
+
+def _fits(block_m, cand, operands, element_size, shared_memory) -> bool:
+    """Whether a candidate can run well: the A tile and `operands` B tiles of every pipeline stage
+    fit shared memory (an upper bound), and the fp32 accumulators need at most 128 registers
+    per thread (beyond that they spill)."""
+    block_n, block_k, _, num_warps, stages = cand
+    smem = stages * block_k * (block_m + operands * block_n) * element_size
+    return smem <= shared_memory and operands * block_m * block_n <= 128 * 32 * num_warps
+
+
+def _sweep_timer(fn):
+    """GPU time of fn alone: a CUDA-graph replay on the GPU, plain calls in the interpreter."""
+    if torch.cuda.is_available():
+        fn = _graph_replay(fn)
+    return common.time_gpu(fn, warmup_ms=5, rep_ms=20, repeats=1).median_ms
+
+
+def sweep(args, shapes, tokens, device, dtype):
+    """Times the candidate GEMM configurations of SWEEP_CANDIDATES on each (shape, T), for the
+    BLOCK_M values of its load bucket; returns (rows, the best-per-bucket table as Python source
+    for configs.EXPERTS)."""
+    info = info_for(torch.empty(0, device=device))
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    table = configs.EXPERTS[info.arch_family][element_size]
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name, T in args.progress([(n, T) for n in shapes for T in tokens], desc="sweep moe"):
+        E, k, H, I = shapes[name]
+        w1, w2 = make_layer(E, H, I, dtype, device, generator)
+        x = torch.randn(T, H, device=device, generator=generator).to(dtype)
+        logits = torch.randn(T, E, device=device, generator=generator).to(dtype)
+        bound = configs.load_bound(table, T, k, E)
+        for block_m in SWEEP_BLOCK_M[bound]:
+            plan = routing.DispatchPlan(T, E, k, block_m, device)
+            weights, ids, layout = routing.route_pairs(logits, plan, None, sigmoid=False, renormalize=True,
+                                                       with_layout=True)
+            h = torch.empty(layout.num_blocks * block_m, I, device=device, dtype=dtype)
+            y = torch.empty(T * k, H, device=device, dtype=dtype)
+            for gemm, operands in (("gate_up", 2), ("down", 1)):
+                cands = [c for c in SWEEP_CANDIDATES[block_m]
+                         if _fits(block_m, c, operands, element_size, info.shared_memory_per_block)]
+                for cand in cands[: 2 if args.quick else None]:
+                    cfg = configs.ExpertsConfig(block_m, configs.GemmConfig(*cand), configs.GemmConfig(*cand))
+                    if gemm == "gate_up":
+                        fn = functools.partial(experts.launch_gate_up, None, cfg, layout, x, w1, h, k, "silu",
+                                               plan.device_index)
+                    else:
+                        fn = functools.partial(experts.launch_down, None, cfg, layout, h, w2, y, weights,
+                                               plan.device_index)
+                    try:
+                        ms, error = _sweep_timer(fn), None
+                    except Exception as exc:  # a candidate that does not compile or fit is skipped
+                        ms, error = math.inf, f"{type(exc).__name__}: {exc}"[:200]
+                    rows.append({"shape": name, "T": T, "bucket": _bucket_name(bound), "gemm": gemm,
+                                 "block_m": block_m, "block_n": cand[0], "block_k": cand[1], "group_m": cand[2],
+                                 "num_warps": cand[3], "num_stages": cand[4], "ms": ms, "error": error})
+        del w1, w2, x, logits
+    return rows, _best_table(rows, table, info.arch_family, element_size, dtype)
+
+
+def _best_table(rows, table, family, element_size, dtype) -> str:
+    """Per bucket, the BLOCK_M and the gate/up and down configurations that minimise the sum
+    over the bucket's cases of time / (that case's best time), written as configs.EXPERTS source."""
+    def case(r):
+        return r["shape"], r["T"], r["gemm"]
+    ok = [r for r in rows if math.isfinite(r["ms"])]
+    best_case = {}
+    for r in ok:
+        best_case[case(r)] = min(best_case.get(case(r), math.inf), r["ms"])
+    lines = [f"# measured: family {family}, {str(dtype).replace('torch.', '')}, bench moe --sweep",
+             f"EXPERTS[{family}][{element_size}] = ("]
+    for bound, _ in table:
+        in_bucket = [r for r in ok if r["bucket"] == _bucket_name(bound)]
+        num_cases = len({(r["shape"], r["T"]) for r in in_bucket})
+        choice = None
+        for block_m in sorted({r["block_m"] for r in in_bucket}):
+            picked, total = [], 0.0
+            for gemm in ("gate_up", "down"):
+                scores = {}
+                for r in in_bucket:
+                    if r["block_m"] == block_m and r["gemm"] == gemm:
+                        cfg = (r["block_n"], r["block_k"], r["group_m"], r["num_warps"], r["num_stages"])
+                        scores.setdefault(cfg, []).append(r["ms"] / best_case[case(r)])
+                # Only configurations that ran on every case of the bucket compete.
+                complete = [(sum(v), cfg) for cfg, v in scores.items() if len(v) == num_cases]
+                if not complete:
+                    break
+                score, cfg = min(complete)
+                picked.append(cfg)
+                total += score
+            else:
+                if choice is None or total < choice[0]:
+                    choice = (total, block_m, picked)
+        if choice is not None:
+            _, block_m, (gate_up, down) = choice
+            lines.append(f"    ({bound}, X({block_m}, G{gate_up}, G{down})),")
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def plot(rows, path_png) -> None:
+    """TFLOP/s against T, one panel per shape, one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if "tflops" in r))
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for impl in IMPLS:
+            points = sorted((r["T"], r["tflops"]) for r in rows if r["shape"] == shape and r["impl"] == impl)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(shape)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("TFLOP/s (6·T·k·H·I)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,9 @@
+"""Triton kernels of the fused MoE forward. Private: the public modules one level up hold the
+contract (argument checks, allocation, configuration, launch); these files hold the algorithm.
+
+- `offsets.py`: 64-bit address arithmetic shared by every kernel.
+- `dispatch.py`: top-k routing and the block-aligned, expert-sorted layout of token-expert pairs.
+- `grouped_gemm.py`: the two expert GEMMs over that layout (gate/up with the gated activation,
+  then down with the routing weight).
+- `combine.py`: the deterministic sum of each token's k weighted expert outputs.
+"""

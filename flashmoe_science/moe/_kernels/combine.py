@@ -1,0 +1,28 @@
+"""The combine: out[t] = sum over j of y[t * top_k + j], in fp32, in the fixed order j = 0..k-1.
+
+The down GEMM leaves each token's k weighted expert outputs in adjacent rows of y, so this
+pass reads y once, contiguously, and the result does not depend on which program finished
+first (no atomics). Pairs whose id lies outside [0, E) were never computed and are skipped.
+"""
+import triton
+import triton.language as tl
+
+from .offsets import wide_offset
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, H, top_k, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y: (T * top_k, H) contiguous; ids: (T * top_k,) int32 or int64; out: (T, H) contiguous."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = tokens < T
+    ok = t_ok[:, None] & (cols < H)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in range(top_k):
+        pairs = tokens * top_k + j
+        e = tl.load(ids_ptr + pairs, mask=t_ok, other=-1)
+        routed = (e >= 0) & (e < E)
+        acc += tl.load(y_ptr + wide_offset(pairs, H)[:, None] + cols[None, :],
+                       mask=ok & routed[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + wide_offset(tokens, H)[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=ok)

@@ -1,0 +1,133 @@
+"""The two expert GEMMs over the expert-sorted, block-aligned layout (see dispatch.py).
+
+Both kernels map one program to one (BLOCK_M rows of the layout) x (BLOCK_N output columns)
+tile. Every BLOCK_M block belongs to a single expert (`block_expert`), so a tile is an ordinary
+dense GEMM tile against that expert's weights; blocks past the last expert (-1) exit at once,
+and the rows of a block past `block_rows[b]` are padding: masked on load and store.
+
+gate_up_kernel: h[row] = act(x[t] @ w1[e, :I].T) * (x[t] @ w1[e, I:].T) for the pair p =
+sorted_pairs[row], t = p // top_k. The token rows are gathered straight from x inside the
+K loop (no permuted copy of the activations); the gate and up tiles of the same columns are
+accumulated side by side from one A tile, so the gated activation is an epilogue and the
+(rows, I) intermediate is written once (padding rows: zeros).
+
+down_kernel: y[p] = w[p] * (h[row] @ w2[e].T), reading h contiguously (rows in layout order)
+and writing each row to its pair's slot p, so a token's k rows end up adjacent for the
+deterministic combine (combine.py).
+
+num_blocks_m and top_k are never value-specialised (they only index), so a build compiled for
+one token count serves every other.
+
+Launch order: programs are grouped GROUP_M row blocks at a time over all column tiles
+("swizzled"), so the tiles in flight share an expert's weight columns and the gathered token
+rows in L2. With fp32 inputs tl.dot uses tf32 tensor cores on the GPU.
+"""
+import triton
+import triton.language as tl
+
+from .offsets import wide_offset
+
+
+@triton.jit
+def _tile_coordinates(num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program in grouped launch order."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, n_out,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile: its expert (-1: nothing to do), layout rows (BLOCK_M,), which of
+    them hold pairs, their pair indices, and its output columns (BLOCK_N,) out of n_out."""
+    pid_m, pid_n = _tile_coordinates(num_blocks_m, tl.cdiv(n_out, BLOCK_N), GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + pid_m)
+    pairs = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
+    return tl.load(block_expert_ptr + pid_m), rows, row_ok, pairs, pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _expert_tile_ptrs(w_ptr, expert, stride_we, offs_n, stride_wn, offs_k):
+    """Pointers to the (BLOCK_K, BLOCK_N) B-operand tile w[expert, offs_n, offs_k] of a weight
+    tensor stored (E, N, K) with K contiguous."""
+    return w_ptr + wide_offset(expert, stride_we) + wide_offset(offs_n, stride_wn)[None, :] + offs_k[:, None]
+
+
+@triton.jit
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
+    """SwiGLU: silu(gate) * up. GeGLU: gelu(gate) * up with the tanh approximation of GELU,
+    written as x * sigmoid(2u) (= 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3))."""
+    if ACTIVATION == "silu":
+        act = gate * tl.sigmoid(gate)
+    else:
+        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    return act * up
+
+
+@triton.jit(do_not_specialize=["num_blocks_m", "top_k"])
+def gate_up_kernel(
+    x_ptr, w1_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    num_blocks_m, H, I, top_k,
+    stride_xt, stride_we, stride_wn,
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn, 1);
+    h: (num_blocks_m * BLOCK_M, I) contiguous, in x's dtype."""
+    expert, rows, row_ok, pairs, offs_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
+                                                BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + wide_offset(pairs // top_k, stride_xt)[:, None] + offs_k[None, :]
+    gate_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
+    up_ptrs = gate_ptrs + wide_offset(I, stride_wn)
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_ok, other=0.0), acc_gate)
+        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_ok, other=0.0), acc_up)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    h = _gated_activation(acc_gate, acc_up, ACTIVATION)
+    tl.store(h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_blocks_m"])
+def down_kernel(
+    h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    num_blocks_m, H, I,
+    stride_we, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """h: (num_blocks_m * BLOCK_M, I) contiguous; w2: (E, H, I), strides (stride_we,
+    stride_wn, 1); weights: (T * top_k,) fp32 routing weights; y: (T * top_k, H) contiguous."""
+    expert, rows, row_ok, pairs, offs_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
+                                                BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
+    w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = offs_k < I - k0
+        a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
+    y = acc * route_weight[:, None]
+    tl.store(y_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,227 @@
+"""MoE kernel configurations: the one table of block sizes, warps and stages, and the tile
+constants of the routing, dispatch and combine kernels.
+
+The expert GEMMs run over an expert-sorted layout cut into BLOCK_M-row blocks, one expert each
+(see `_kernels/dispatch.py`), so the figure that decides the tiling is how many token-expert
+pairs an expert receives on average, T * k / E:
+- up to 8 (decode: Qwen3-30B-A3B up to 128 tokens, Mixtral up to 32): BLOCK_M = 16, so an
+  expert's few rows fill one block and its weights are read once. Narrow column tiles
+  (BLOCK_N 32 for gate/up, 64 for down) give hundreds to thousands of programs, so every SM
+  streams weights; K tiles of 128 in a 4-stage pipeline keep bytes in flight while taking
+  60 KB of shared memory, so three programs share an SM and one wave covers a Qwen3 decode
+  call (BLOCK_K 256 would take 120 KB: one program per SM, 1.5 waves). The weight-bandwidth
+  floor needs both. There is nothing to reuse, so no grouping (GROUP_M = 1).
+- up to 32 and up to 96: BLOCK_M 32 and 64, wider column tiles as rows start to be reused.
+- beyond (prefill): BLOCK_M = 128 tiles that keep the tensor cores busy (wgmma on Hopper
+  from BLOCK_M = 64 with num_warps a multiple of 4), grouped launch order (GROUP_M = 8) so the
+  tiles in flight share an expert's weight columns in L2.
+The gate/up kernel holds two accumulators (gate and up of the same columns), so its BLOCK_N is
+half of the down kernel's at the same register budget.
+
+Families differ by shared memory per block: Hopper (sm90) 227 KB, A100-class (sm80) 163 KB and
+the 99 KB parts (sm86, sm89). Triton keeps num_stages copies of the A and B tiles in shared
+memory for wgmma on Hopper and num_stages - 1 elsewhere; the 99 KB parts get narrower tiles.
+fp32 inputs (tf32 tensor cores on the GPU) have one small table for every family.
+
+These tables are reasoned starting points, not yet measured: `flashmoe-science bench moe
+--sweep` times a grid of candidates per bucket on the GPU and prints a table in this format.
+`shipped_builds(capability)` enumerates every kernel specialisation the launchers can pick, so
+the CPU test compiles each for sm80, sm86, sm89 and sm90 and checks it fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..device import SHARED_MEMORY_PER_BLOCK, DeviceInfo
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiling of one expert GEMM (BLOCK_M is shared by both and lives in ExpertsConfig)."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return (f"BLOCK_N={self.block_n} BLOCK_K={self.block_k} GROUP_M={self.group_m} "
+                f"warps={self.num_warps} stages={self.num_stages}")
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """BLOCK_M of the sorted layout and the tiling of the gate/up and down GEMMs."""
+
+    block_m: int
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    def __str__(self) -> str:
+        return f"BLOCK_M={self.block_m} gate_up[{self.gate_up}] down[{self.down}]"
+
+
+G, X = GemmConfig, ExpertsConfig
+# Decode takes 60 KB of shared memory, which every family has room for (three programs per SM
+# on Hopper).
+_DECODE = X(16, G(32, 128, 1, 4, 4), G(64, 128, 1, 4, 4))
+# 163 KB and more (sm80, sm90): pipelines of up to 192 KB on Hopper (num_stages buffers),
+# 144 KB on sm80 (num_stages - 1 buffers).
+_LARGE_SMEM = ((8, _DECODE),
+               (32, X(32, G(64, 128, 1, 4, 3), G(128, 128, 1, 4, 3))),
+               (96, X(64, G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 4))),
+               (None, X(128, G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 4))))
+# 99 KB (sm86, sm89): half-width B tiles, two buffers, at most 64 KB.
+_SMALL_SMEM = ((8, _DECODE),
+               (32, X(32, G(64, 64, 1, 4, 3), G(128, 64, 1, 4, 3))),
+               (96, X(64, G(64, 64, 8, 4, 3), G(128, 64, 8, 4, 3))),
+               (None, X(128, G(64, 64, 8, 8, 3), G(128, 64, 8, 8, 3))))
+_FP32 = ((8, X(16, G(32, 64, 1, 4, 3), G(64, 64, 1, 4, 3))),
+         (None, X(64, G(64, 32, 8, 4, 3), G(128, 32, 8, 4, 3))))
+# EXPERTS[family][element bytes]: ((most pairs per expert, config), ...) in increasing bound;
+# the last bound, None, takes every larger load.
+EXPERTS = {
+    90: {2: _LARGE_SMEM, 4: _FP32},
+    80: {2: _LARGE_SMEM, 4: _FP32},
+    89: {2: _SMALL_SMEM, 4: _FP32},
+}
+del G, X
+
+# The largest BLOCK_M of any table (bounds the padding rows of the sorted layout).
+MAX_BLOCK_M = 128
+
+# Calls of at most this many tokens are "decode" in reports (the issue's definition); their
+# configuration comes from the same table, by load per expert.
+DECODE_MAX_TOKENS = 64
+
+# Routing and dispatch tiles. The expert dimension is always padded to MAX_EXPERTS (one build
+# per kernel covers every E; a 256-wide tile costs small-E routing nothing that shows). Tiles of
+# (DISPATCH_ROWS, MAX_EXPERTS) hold ROUTE_TILE elements: tokens per routing step, count-table
+# rows per load, blocks per block-table step.
+MAX_EXPERTS = 256
+MAX_TOP_K = 8
+ROUTE_TILE = 4096
+DISPATCH_ROWS = ROUTE_TILE // MAX_EXPERTS
+# Pairs ranked per counting-sort step (a PAIRS x PAIRS comparison) and counted per histogram.
+SORT_PAIRS = 64
+COUNT_TILE = 1024
+DISPATCH_WARPS = 4
+DISPATCH_STAGES = 1
+# The dispatch works in chunks of at least CHUNK_TOKENS tokens, at most MAX_CHUNKS of them
+# (each align program reads the whole (chunks, E_PAD) count table); a call with a single chunk
+# is routed and laid out by one program in one launch.
+CHUNK_TOKENS = 128
+MAX_CHUNKS = 128
+# Combine tile: BLOCK_T tokens x BLOCK_H columns, reading top_k rows of y for each.
+COMBINE_BLOCK_T = 8
+COMBINE_BLOCK_H = 256
+COMBINE_WARPS = 4
+COMBINE_STAGES = 1
+
+ACTIVATIONS = ("silu", "gelu")
+_TRITON_DTYPES = {2: ("fp16", "bf16"), 4: ("fp32",)}
+
+
+def family_of(capability: int) -> int:
+    """The configuration family (90, 80 or 89) of a compute capability."""
+    return DeviceInfo("", capability, 1, SHARED_MEMORY_PER_BLOCK[capability], 0).arch_family
+
+
+def pairs_per_expert(num_tokens: int, top_k: int, num_experts: int) -> int:
+    return -(-num_tokens * top_k // num_experts)
+
+
+# Choices measured by `experts.tune` on this process's GPU, by (family, element size, E, H, I,
+# top_k, load bucket bound); they take precedence over the table for calls of that shape and
+# bucket. The tuner only picks among the table's configurations, so shipped_builds covers them.
+TUNED: dict = {}
+
+
+def load_bound(table, num_tokens: int, top_k: int, num_experts: int):
+    """The bound of the table entry a call falls in (None for the last, unbounded entry)."""
+    load = pairs_per_expert(num_tokens, top_k, num_experts)
+    return next(bound for bound, _ in table if bound is None or load <= bound)
+
+
+def experts_config(device: DeviceInfo, element_size: int, num_tokens: int, top_k: int, num_experts: int,
+                   hidden: int, inter: int) -> ExpertsConfig:
+    """The configuration for a call on `device` with inputs of `element_size` bytes: a tuned
+    choice for this shape if `experts.tune` made one, else the table's entry for its load."""
+    table = EXPERTS[device.arch_family][element_size]
+    bound = load_bound(table, num_tokens, top_k, num_experts)
+    tuned = TUNED.get((device.arch_family, element_size, num_experts, hidden, inter, top_k, bound))
+    return tuned or next(cfg for b, cfg in table if b == bound)
+
+
+def path_name(num_tokens: int) -> str:
+    return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
+
+
+def chunk_tokens(num_tokens: int) -> int:
+    """Tokens per dispatch chunk: CHUNK_TOKENS, or a larger power of two past MAX_CHUNKS chunks."""
+    per_chunk = -(-num_tokens // MAX_CHUNKS)
+    return max(CHUNK_TOKENS, 1 << (per_chunk - 1).bit_length())
+
+
+def experts_configs(capability: int):
+    """Every (element size, config) the experts dispatcher can pick on `capability`."""
+    for element_size, table in EXPERTS[family_of(capability)].items():
+        for cfg in dict.fromkeys(cfg for _, cfg in table):
+            yield element_size, cfg
+
+
+def shipped_builds(capability: int):
+    """Every kernel specialisation the MoE launchers can run on `capability`.
+
+    The GEMMs: each table configuration x input dtype (x activation for gate/up). Routing,
+    dispatch and combine: each layout mode x logits or output dtype; every other argument of
+    those kernels is a runtime value. Index tensors are int32 and routing
+    weights fp32 at every launch (the launchers convert other dtypes first).
+    """
+    from ..target_compile import KernelBuild
+    from ._kernels.combine import combine_kernel
+    from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_kernel
+    from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
+
+    def build(label, fn, pointers, constexprs, num_warps, num_stages, aligned=()):
+        signature = {name: "i32" for name in fn.arg_names}
+        signature.update(pointers)
+        signature.update({name: "constexpr" for name in constexprs})
+        return KernelBuild(label, fn, signature, constexprs, num_warps, num_stages,
+                           aligned=tuple(pointers) + tuple(aligned))
+
+    layout = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32")
+    for element_size, cfg in experts_configs(capability):
+        for dtype in _TRITON_DTYPES[element_size]:
+            g, d = cfg.gate_up, cfg.down
+            for activation in ACTIVATIONS:
+                yield build(f"moe_gate_up {dtype} {activation} BLOCK_M={cfg.block_m} {g}", gate_up_kernel,
+                            dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", h_ptr=f"*{dtype}", **layout),
+                            dict(ACTIVATION=activation, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
+                                 BLOCK_K=g.block_k, GROUP_M=g.group_m),
+                            g.num_warps, g.num_stages, aligned=("H", "I", "stride_xt", "stride_we", "stride_wn"))
+            yield build(f"moe_down {dtype} BLOCK_M={cfg.block_m} {d}", down_kernel,
+                        dict(h_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", y_ptr=f"*{dtype}", weights_ptr="*fp32",
+                             **layout),
+                        dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m),
+                        d.num_warps, d.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
+    tiles = dict(E_PAD=MAX_EXPERTS, PAIRS=SORT_PAIRS, TILE_B=DISPATCH_ROWS)
+    for dtype in ("fp16", "bf16", "fp32"):
+        for mode in ("none", "count", "full"):
+            yield build(f"moe_route logits={dtype} layout={mode}", route_kernel,
+                        dict(logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32", counts_ptr="*i32", **layout),
+                        dict(K_PAD=MAX_TOP_K, ROWS=DISPATCH_ROWS, LAYOUT=mode, **tiles),
+                        DISPATCH_WARPS, DISPATCH_STAGES)
+    yield build("moe_count", count_pairs_kernel, dict(ids_ptr="*i32", counts_ptr="*i32"),
+                dict(E_PAD=MAX_EXPERTS, COUNT_TILE=COUNT_TILE), DISPATCH_WARPS, DISPATCH_STAGES)
+    for count_here in (False, True):
+        yield build(f"moe_align count_here={count_here}", align_pairs_kernel,
+                    dict(ids_ptr="*i32", counts_ptr="*i32", **layout),
+                    dict(COUNT_TILE=COUNT_TILE, TABLE_ROWS=DISPATCH_ROWS, COUNT_HERE=count_here, **tiles),
+                    DISPATCH_WARPS, DISPATCH_STAGES)
+    for dtype in ("fp16", "bf16", "fp32"):
+        yield build(f"moe_combine {dtype}", combine_kernel,
+                    dict(y_ptr=f"*{dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),
+                    dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,
+                    aligned=("H",))

@@ -1,0 +1,342 @@
+"""Public fused MoE functions: argument checks, configuration, buffers and launches.
+
+A layer call is a fixed sequence of Triton launches sized from shapes alone:
+1. routing and dispatch (routing.py): top-k, then the expert-sorted, block-aligned layout of
+   the token-expert pairs (one launch for decode-sized calls, two or three otherwise);
+2. gate/up GEMM: token rows gathered from hidden_states inside the kernel, gate and up tiles
+   accumulated together, SwiGLU/GeGLU in the epilogue, the intermediate written once;
+3. down GEMM: times the routing weight, each pair's row written to its token-slot position;
+4. combine: each token's k rows summed in a fixed order (deterministic).
+Nothing is read back by the host, so the call can be captured in a CUDA graph.
+
+A call with the same shapes, strides, dtypes, devices and options as an earlier one skips every
+check and configuration decision (one dictionary lookup) and launches cached compiled kernels.
+Configurations come from the tables in configs.py, or from `tune`, which times the table's
+entries on the caller's inputs and caches the fastest for that shape and load bucket.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from ..device import check_runnable, info_for
+from ..launch import KernelLauncher
+from . import configs, routing
+from ._kernels.combine import combine_kernel
+from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
+
+_GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel)
+_DOWN = KernelLauncher("moe_down", down_kernel)
+_COMBINE = KernelLauncher("moe_combine", combine_kernel)
+_MAX_PLANS = 4096
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_experts_args(hidden_states, w1, w2, activation) -> None:
+    _check_tensor("hidden_states", hidden_states, 2, "(T, H)")
+    _check_tensor("w1", w1, 3, "(E, 2*I, H)")
+    _check_tensor("w2", w2, 3, "(E, H, I)")
+    if hidden_states.dtype not in routing.FLOAT_DTYPES:
+        raise TypeError(f"hidden_states has dtype {hidden_states.dtype}; supported: float16, bfloat16, float32")
+    for name, t in (("w1", w1), ("w2", w2)):
+        if t.dtype != hidden_states.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; it must match hidden_states ({hidden_states.dtype})")
+        if t.device != hidden_states.device:
+            raise ValueError(f"{name} is on {t.device}; it must be on hidden_states' device ({hidden_states.device})")
+    check_runnable("hidden_states", hidden_states)
+    T, H = hidden_states.shape
+    E, two_i, w1_h = w1.shape
+    if w1_h != H:
+        raise ValueError(f"w1 has shape {tuple(w1.shape)}; its last dimension must be H = {H} (hidden_states)")
+    if two_i % 2:
+        raise ValueError(f"w1 has shape {tuple(w1.shape)}; its middle dimension must be 2*I (gate and up rows)")
+    I = two_i // 2
+    if tuple(w2.shape) != (E, H, I):
+        raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected (E, H, I) = {(E, H, I)} from w1 and hidden_states")
+    if not 1 <= E <= configs.MAX_EXPERTS:
+        raise ValueError(f"w1 has E = {E} experts; supported: 1 to {configs.MAX_EXPERTS}")
+    if H % 16 or H == 0:
+        raise ValueError(f"H = {H} (hidden_states' last dimension) must be a positive multiple of 16")
+    if I % 16 or I == 0:
+        raise ValueError(f"I = {I} (half of w1's middle dimension) must be a positive multiple of 16")
+    if activation not in configs.ACTIVATIONS:
+        raise ValueError(f"activation must be one of {configs.ACTIVATIONS}, got {activation!r}")
+
+
+class _ExpertsPlan:
+    """Everything about a call that depends only on its shapes, strides, dtypes and options."""
+
+    __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "config", "dispatch", "path",
+                 "copy_x", "copy_w1", "copy_w2", "device_index", "launch_key")
+
+    def __init__(self, key, hidden_states, w1, w2, top_k: int, config: configs.ExpertsConfig | None = None):
+        T, H = hidden_states.shape
+        E, two_i, _ = w1.shape
+        # Row indices of the padded layout (pairs plus up to BLOCK_M - 1 padding rows per expert)
+        # are 32-bit.
+        if T * top_k + E * configs.MAX_BLOCK_M >= 2**31:
+            raise ValueError(f"T * top_k = {T * top_k} token-expert pairs is too many: at most "
+                             f"{2**31 - 1 - E * configs.MAX_BLOCK_M} for E = {E} experts")
+        self.num_tokens, self.hidden, self.inter, self.num_experts, self.top_k = T, H, two_i // 2, E, top_k
+        self.config = config or configs.experts_config(info_for(hidden_states), hidden_states.element_size(), T,
+                                                       top_k, E, H, self.inter)
+        self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device)
+        self.path = configs.path_name(T)
+        # The kernels read rows with unit stride along H (and I); other layouts are copied once.
+        self.copy_x = hidden_states.stride(1) != 1
+        self.copy_w1 = w1.stride(2) != 1
+        self.copy_w2 = w2.stride(2) != 1
+        self.device_index = self.dispatch.device_index
+        # What the launchers cache compiled kernels by: the call's facts and the configuration
+        # (a tuned configuration replaces the table's for the same call facts).
+        self.launch_key = (key, self.config)
+
+    def operands(self, hidden_states, w1, w2):
+        return (hidden_states.contiguous() if self.copy_x else hidden_states,
+                w1.contiguous() if self.copy_w1 else w1, w2.contiguous() if self.copy_w2 else w2)
+
+
+def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, x, w1, h, top_k: int,
+                   activation: str, device_index) -> None:
+    """h (layout rows, I) = act(x @ w1[e, :I].T) * (x @ w1[e, I:].T) for every pair of the layout."""
+    g = cfg.gate_up
+    H, I = x.shape[1], h.shape[1]
+    _GATE_UP.launch(
+        key, (layout.num_blocks * -(-I // g.block_n), 1, 1),
+        (x, w1, h, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks, H, I, top_k,
+         x.stride(0), w1.stride(0), w1.stride(1), activation, cfg.block_m, g.block_n, g.block_k, g.group_m),
+        num_warps=g.num_warps, num_stages=g.num_stages, device_index=device_index)
+
+
+def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, w2, y, topk_weights,
+                device_index) -> None:
+    """y (T * top_k, H): row p = topk_weights[p] * (h[row of p] @ w2[e].T)."""
+    d = cfg.down
+    H, I = y.shape[1], h.shape[1]
+    _DOWN.launch(
+        key, (layout.num_blocks * -(-H // d.block_n), 1, 1),
+        (h, w2, y, topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks,
+         H, I, w2.stride(0), w2.stride(1), cfg.block_m, d.block_n, d.block_k, d.group_m),
+        num_warps=d.num_warps, num_stages=d.num_stages, device_index=device_index)
+
+
+def launch_combine(key, y, topk_ids, out, num_experts: int, device_index) -> None:
+    """out (T, H) = sum over j of y[t * top_k + j], skipping ids outside [0, num_experts)."""
+    T, H = out.shape
+    _COMBINE.launch(
+        key, (-(-T // configs.COMBINE_BLOCK_T), -(-H // configs.COMBINE_BLOCK_H), 1),
+        (y, topk_ids, out, T, num_experts, H, topk_ids.shape[1], configs.COMBINE_BLOCK_T, configs.COMBINE_BLOCK_H),
+        num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index)
+
+
+def _run_experts(plan: _ExpertsPlan, x, w1, w2, topk_weights, topk_ids, layout, activation) -> torch.Tensor:
+    """Launches gate/up, down and combine; returns out (T, H) in x's dtype."""
+    cfg, key = plan.config, plan.launch_key
+    h = routing.allocate((layout.num_blocks * cfg.block_m, plan.inter), x.dtype, x.device)
+    y = routing.allocate((plan.dispatch.num_pairs, plan.hidden), x.dtype, x.device)
+    out = routing.allocate((plan.num_tokens, plan.hidden), x.dtype, x.device)
+    launch_gate_up(key, cfg, layout, x, w1, h, plan.top_k, activation, plan.device_index)
+    launch_down(key, cfg, layout, h, w2, y, topk_weights, plan.device_index)
+    launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index)
+    return out
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+
+
+def _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring) -> tuple:
+    return ("moe", _tensor_key(hidden_states), _tensor_key(w1), _tensor_key(w2), _tensor_key(router_logits),
+            top_k, renormalize, activation, scoring)
+
+
+_EXPERTS_PLANS: dict = {}
+_MOE_PLANS: dict = {}
+
+
+def _remember(cache: dict, key, plan):
+    if len(cache) >= _MAX_PLANS:
+        cache.clear()
+    cache[key] = plan
+    return plan
+
+
+def _check_routing_tensors(hidden_states, topk_weights, topk_ids, num_experts) -> None:
+    _check_tensor("topk_weights", topk_weights, 2, "(T, top_k)")
+    _check_tensor("topk_ids", topk_ids, 2, "(T, top_k)")
+    if topk_weights.dtype not in routing.FLOAT_DTYPES:
+        raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; supported: float16, bfloat16, float32")
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; supported: int32, int64")
+    T = hidden_states.shape[0]
+    if topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must "
+                         f"both be (T, top_k) with T = {T} (hidden_states)")
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != hidden_states.device:
+            raise ValueError(f"{name} is on {t.device}; it must be on hidden_states' device ({hidden_states.device})")
+    routing.check_top_k(topk_ids.shape[1], num_experts)
+
+
+def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu"):
+    """The experts of an MoE layer for given routing, in fused Triton kernels.
+
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w1[e, :I] @ x_t) * (w1[e, I:] @ x_t)),
+    e = topk_ids[t, j].
+
+    Args:
+        hidden_states: (T, H) float16, bfloat16 or float32 (fp32 runs tf32 tensor-core products
+            on the GPU); any row stride.
+        w1: (E, 2*I, H), hidden_states' dtype: rows [0, I) are the gate projection, rows
+            [I, 2I) the up projection.
+        w2: (E, H, I), hidden_states' dtype: the down projection.
+        topk_weights: (T, top_k) float32 (float16 and bfloat16 are converted to float32 first).
+        topk_ids: (T, top_k) int32 (int64 is converted first). An id outside [0, E) drops that
+            slot: it contributes nothing (as for experts held by another rank).
+        activation: "silu" (SwiGLU) or "gelu" (GeGLU, with the tanh approximation of GELU).
+
+    E from 1 to 256, top_k from 1 to min(E, 8); H and I multiples of 16. The weights need unit
+    stride along their last dimension to be read in place (otherwise they are copied first).
+
+    Returns:
+        out: (T, H) in hidden_states' dtype; (0, H) when T = 0. The result is deterministic: a
+        token's k expert outputs are summed in fp32 in the order j = 0..k-1.
+    """
+    try:
+        key = ("experts", _tensor_key(hidden_states), _tensor_key(w1), _tensor_key(w2), _tensor_key(topk_weights),
+               _tensor_key(topk_ids), activation)
+        plan = _EXPERTS_PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks name it
+        _check_experts_args(hidden_states, w1, w2, activation)
+        _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
+        raise
+    if plan is None:
+        _check_experts_args(hidden_states, w1, w2, activation)
+        _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
+        plan = _remember(_EXPERTS_PLANS, key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1]))
+    x, w1, w2 = plan.operands(hidden_states, w1, w2)
+    if plan.num_tokens == 0:
+        return x.new_empty((0, plan.hidden))
+    if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
+        topk_weights = topk_weights.to(torch.float32).contiguous()
+    if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+        topk_ids = topk_ids.to(torch.int32).contiguous()
+    layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
+    return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)
+
+
+def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activation="silu",
+              scoring="softmax"):
+    """A whole MoE layer (routing, dispatch, experts, combine) in fused Triton kernels.
+
+    p = softmax(router_logits in fp32) (or sigmoid with scoring="sigmoid"); (w, e) = top_k(p);
+    if renormalize: w /= sum(w); out[t] = sum_j w[t, j] * w2[e_j] @ (act(w1[e_j, :I] @ x_t) *
+    (w1[e_j, I:] @ x_t)).
+
+    Args:
+        hidden_states: (T, H) float16, bfloat16 or float32 (tf32 products on the GPU).
+        w1: (E, 2*I, H) and w2: (E, H, I), hidden_states' dtype (see `fused_experts`).
+        router_logits: (T, E) float16, bfloat16 or float32, any dtype of the three.
+        top_k: experts per token, 1 <= top_k <= min(E, 8).
+        renormalize, scoring: as in `moe_route` (ties between equal scores: lower expert first).
+        activation: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation).
+
+    Returns:
+        out: (T, H) in hidden_states' dtype, deterministic; (0, H) when T = 0.
+    """
+    try:
+        key = _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
+        plan = _MOE_PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks name it
+        _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
+        raise
+    if plan is None:
+        _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
+        plan = _remember(_MOE_PLANS, key, _ExpertsPlan(key, hidden_states, w1, w2, top_k))
+    return _moe_forward(plan, hidden_states, w1, w2, router_logits, renormalize, activation, scoring)
+
+
+def _moe_forward(plan: _ExpertsPlan, hidden_states, w1, w2, router_logits, renormalize, activation, scoring):
+    x, w1, w2 = plan.operands(hidden_states, w1, w2)
+    if plan.num_tokens == 0:
+        return x.new_empty((0, plan.hidden))
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    weights, ids, layout = routing.route_pairs(router_logits, plan.dispatch, plan.launch_key,
+                                               sigmoid=scoring == "sigmoid", renormalize=renormalize, with_layout=True)
+    return _run_experts(plan, x, w1, w2, weights, ids, layout, activation)
+
+
+def _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring) -> None:
+    _check_experts_args(hidden_states, w1, w2, activation)
+    routing.check_router_logits(router_logits)
+    if router_logits.device != hidden_states.device:
+        raise ValueError(f"router_logits is on {router_logits.device}; it must be on hidden_states' device "
+                         f"({hidden_states.device})")
+    T, E = hidden_states.shape[0], w1.shape[0]
+    if tuple(router_logits.shape) != (T, E):
+        raise ValueError(f"router_logits has shape {tuple(router_logits.shape)}; expected (T, E) = {(T, E)} "
+                         "from hidden_states and w1")
+    routing.check_top_k(top_k, E)
+    routing.check_routing_options(renormalize, scoring)
+
+
+def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
+    """Which path and configuration a call with these inputs runs (for benchmarks and reports)."""
+    T, H = hidden_states.shape
+    E, two_i, _ = w1.shape
+    cfg = configs.experts_config(info_for(hidden_states), hidden_states.element_size(), T, top_k, E, H, two_i // 2)
+    return {"path": configs.path_name(T), "config": str(cfg)}
+
+
+def _median_call_ms(fn) -> float:
+    """Median time of fn in ms: CUDA events on the GPU, the host clock in the interpreter."""
+    fn()
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
+
+
+def tune(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activation="silu", scoring="softmax"):
+    """The autotuned fallback: times `fused_moe` on these inputs with each configuration the
+    table holds for this device family and dtype, and makes the fastest the choice for every
+    later call with the same E, H, I and top_k whose load (T * top_k / E) falls in the same
+    bucket of the table. Cached for the process. It times kernels, so it must not run while a
+    CUDA graph is being captured: tune first, then capture. Arguments as for `fused_moe`.
+
+    Returns:
+        the chosen configs.ExpertsConfig.
+    """
+    _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
+    device = info_for(hidden_states)
+    element_size = hidden_states.element_size()
+    (T, H), (E, two_i, _) = hidden_states.shape, w1.shape
+    table = configs.EXPERTS[device.arch_family][element_size]
+    key = _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
+    timings = {}
+    for cfg in dict.fromkeys(cfg for _, cfg in table):
+        plan = _ExpertsPlan(key, hidden_states, w1, w2, top_k, cfg)
+        timings[cfg] = _median_call_ms(functools.partial(
+            _moe_forward, plan, hidden_states, w1, w2, router_logits, renormalize, activation, scoring))
+    best = min(timings, key=timings.get)
+    bound = configs.load_bound(table, T, top_k, E)
+    configs.TUNED[(device.arch_family, element_size, E, H, two_i // 2, top_k, bound)] = best
+    _MOE_PLANS.clear()  # plans made before hold the table's choice
+    _EXPERTS_PLANS.clear()
+    return best

@@ -1,0 +1,115 @@
+"""MoE configurations: every build the launchers can pick compiles for sm80, sm86, sm89 and sm90
+and fits that target's shared memory; the dispatcher picks only shipped configurations; and
+what the launchers actually run is one of the shipped builds.
+
+The compile check shares the session's `compiled_rows` (tests/conftest.py)."""
+import pytest
+import torch
+
+from flashmoe_science.device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS, DeviceInfo, info_for
+from flashmoe_science.launch import last_launch
+from flashmoe_science.moe import configs, experts, fused_experts, fused_moe, moe_route
+
+
+@pytest.mark.targets
+def test_every_moe_build_compiles_and_fits(compiled_rows):
+    for cap in SUPPORTED_TARGETS:
+        moe_rows = [r for r in compiled_rows if r["target"] == f"sm{cap}" and r["label"].startswith("moe_")]
+        assert len(moe_rows) == len(list(configs.shipped_builds(cap)))
+    bad = [f"{r['target']} {r['label']}: " + (r["error"] or f"{r['shared']} > {r['limit']} bytes")
+           for r in compiled_rows if r["label"].startswith("moe_") and not r["fits"]]
+    assert not bad, "builds that do not compile or fit:\n" + "\n".join(bad)
+
+
+@pytest.mark.targets
+def test_hopper_prefill_gemms_use_wgmma(compiled_rows):
+    """Decode tiles (BLOCK_M 16 and 32) are below wgmma's 64 rows and run mma.sync."""
+    gemms = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith(("moe_gate_up", "moe_down"))
+             and int(r["label"].split("BLOCK_M=")[1].split()[0]) >= 64]
+    assert gemms and all(r["wgmma"] for r in gemms), [r["label"] for r in gemms if not r["wgmma"]]
+
+
+def test_tables_are_well_formed():
+    pow2 = {16, 32, 64, 128, 256}
+    for family, by_size in configs.EXPERTS.items():
+        for element_size, table in by_size.items():
+            bounds = [b for b, _ in table]
+            assert bounds[-1] is None and bounds[:-1] == sorted(bounds[:-1]), (family, element_size)
+            for _, cfg in table:
+                assert cfg.block_m in pow2 and cfg.block_m <= configs.MAX_BLOCK_M
+                for gemm in (cfg.gate_up, cfg.down):
+                    assert gemm.block_n in pow2 and gemm.block_k in pow2 and gemm.num_warps in (4, 8)
+
+
+@pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
+def test_dispatcher_only_picks_shipped_configs(capability):
+    shipped = set(configs.experts_configs(capability))
+    device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
+    for element_size in (2, 4):
+        for T in (1, 7, 64, 300, 4096, 100_000):
+            for k in (1, 2, 8):
+                for E in (8, 64, 128, 256):
+                    cfg = configs.experts_config(device, element_size, T, k, E, 2048, 768)
+                    assert (element_size, cfg) in shipped
+
+
+def _launched_build(op, capability):
+    record = last_launch(op)
+    assert record is not None, op
+    matches = [b for b in configs.shipped_builds(capability)
+               if b.fn.__name__ == record.kernel and b.constexprs == record.constexprs
+               and record.num_warps in (None, b.num_warps) and record.num_stages in (None, b.num_stages)]
+    assert matches, f"{op} ran {record.kernel} {record.constexprs}, which no shipped build covers"
+    return matches[0]
+
+
+@pytest.mark.parametrize("T", [3, 200])
+def test_launches_are_shipped_builds(device, T):
+    """One dispatch chunk (routing builds the layout) and several (route + align; count + align)."""
+    E, k, H, I = 8, 2, 32, 16
+    x = torch.randn(T, H, device=device)
+    w1 = torch.randn(E, 2 * I, H, device=device) / H**0.5
+    w2 = torch.randn(E, H, I, device=device) / I**0.5
+    logits = torch.randn(T, E, device=device)
+    capability = info_for(x).capability
+    one_chunk = T <= configs.CHUNK_TOKENS
+    fused_moe(x, w1, w2, logits, k)
+    assert _launched_build("moe_route", capability).constexprs["LAYOUT"] == ("full" if one_chunk else "count")
+    for op in ["moe_gate_up", "moe_down", "moe_combine"] + ([] if one_chunk else ["moe_align"]):
+        _launched_build(op, capability)
+    weights, ids = moe_route(logits, k)
+    assert _launched_build("moe_route", capability).constexprs["LAYOUT"] == "none"
+    fused_experts(x, w1, w2, weights, ids)
+    for op in ["moe_align", "moe_gate_up", "moe_down", "moe_combine"] + ([] if one_chunk else ["moe_count"]):
+        _launched_build(op, capability)
+
+
+def test_tune_picks_a_table_entry_and_later_calls_use_it(device, monkeypatch):
+    """The autotuned fallback: with a timer that favours one entry (real timings would make the
+    test flaky), tune() must cache that entry for the shape and bucket, and fused_moe must run it."""
+    T, E, k, H, I = 5, 4, 2, 32, 16
+    x = torch.randn(T, H, device=device)
+    w1 = torch.randn(E, 2 * I, H, device=device) / H**0.5
+    w2 = torch.randn(E, H, I, device=device) / I**0.5
+    logits = torch.randn(T, E, device=device)
+    default = configs.experts_config(info_for(x), 4, T, k, E, H, I)
+    table = configs.EXPERTS[info_for(x).arch_family][4]
+    favourite = next(cfg for _, cfg in table if cfg != default)
+    timed = []
+
+    def fake_timer(fn):
+        out = fn()
+        timed.append(out)
+        return 1.0 if last_launch("moe_gate_up").constexprs["BLOCK_M"] == favourite.block_m else 2.0
+
+    monkeypatch.setattr(experts, "_median_call_ms", fake_timer)
+    monkeypatch.setattr(configs, "TUNED", {})
+    fused_moe(x, w1, w2, logits, k)
+    assert last_launch("moe_gate_up").constexprs["BLOCK_M"] == default.block_m
+    assert experts.tune(x, w1, w2, logits, k) == favourite
+    assert len(timed) == len(dict.fromkeys(cfg for _, cfg in table))
+    out = fused_moe(x, w1, w2, logits, k)
+    assert last_launch("moe_gate_up").constexprs["BLOCK_M"] == favourite.block_m
+    torch.testing.assert_close(out, timed[0], rtol=1e-2, atol=1e-3)  # other tiles; tf32 on the GPU
+    fused_moe(x[:, :16], w1[:, :, :16], w2[:, :16], logits, k)  # another shape keeps the table's choice
+    assert last_launch("moe_gate_up").constexprs["BLOCK_M"] == default.block_m

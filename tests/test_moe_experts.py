@@ -1,0 +1,280 @@
+"""fused_moe and fused_experts against the float64 reference of the formula, on the CPU
+interpreter (fp32 and fp16, small shapes) and on the GPU (bf16 at real model shapes)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher buffer starts as poison)
+
+from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+from flashmoe_science.moe._kernels.offsets import wide_offset
+from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
+
+
+def make_layer(T, E, H, I, dtype, device):
+    """Activations like a transformer's (unit scale) and weights ~ 1/sqrt(fan_in)."""
+    x = torch.randn(T, H, device=device).to(dtype)
+    w1 = (torch.randn(E, 2 * I, H, device=device) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device=device) / I**0.5).to(dtype)
+    return x, w1, w2
+
+
+def rel_error(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_against_reference(out, ref64, torch_out, *, atol=2e-3):
+    """MEASURING.md: within 2x of PyTorch's own error in the input precision, plus a small
+    absolute term; fp32 products must also be within 1e-5 (interpreter) of the reference."""
+    assert not torch.isnan(out).any(), "an element the kernels should have written was left as poison"
+    ours, theirs = rel_error(out, ref64), rel_error(torch_out, ref64)
+    assert ours <= 2 * theirs + atol, f"relative error {ours:.2e}, PyTorch's own {theirs:.2e}"
+    return ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,k,H,I", [
+    (1, 4, 2, 32, 16),      # decode: one token, most experts idle
+    (5, 8, 8, 16, 32),      # top_k = E
+    (33, 8, 3, 64, 48),     # T and I not multiples of any block
+    (300, 4, 2, 32, 16),    # several dispatch chunks, prefill configuration (BLOCK_M = 128)
+])
+def test_fused_moe_matches_reference(device, poisoned, T, E, k, H, I, dtype):  # noqa: F811
+    x, w1, w2 = make_layer(T, E, H, I, dtype, device)
+    logits = torch.randn(T, E, device=device)
+    out = fused_moe(x, w1, w2, logits, k)
+    assert out.shape == (T, H) and out.dtype == dtype
+    ref = fused_moe_torch(x.double(), w1.double(), w2.double(), logits.double(), k)
+    err = check_against_reference(out, ref, fused_moe_torch(x, w1, w2, logits, k))
+    if dtype == torch.float32 and device.type == "cpu":
+        assert err < 1e-5
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", False), ("sigmoid", True)])
+def test_fused_moe_options(device, poisoned, activation, scoring, renormalize):  # noqa: F811
+    T, E, k, H, I = 21, 8, 2, 32, 32
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    logits = torch.randn(T, E, device=device)
+    out = fused_moe(x, w1, w2, logits, k, renormalize=renormalize, activation=activation, scoring=scoring)
+    options = dict(renormalize=renormalize, activation=activation, scoring=scoring)
+    ref = fused_moe_torch(x.double(), w1.double(), w2.double(), logits.double(), k, **options)
+    assert not torch.isnan(out).any()
+    assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+@pytest.mark.parametrize("ids_dtype,weights_dtype", [(torch.int32, torch.float32), (torch.int64, torch.float16)])
+def test_fused_experts_given_routing(device, poisoned, ids_dtype, weights_dtype):  # noqa: F811
+    """User routing: int64 ids, half weights, repeated experts in a row, and ids outside [0, E)
+    (dropped slots, as expert parallelism marks experts held elsewhere) that contribute nothing."""
+    T, E, k, H, I = 40, 8, 3, 48, 32
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    ids = torch.randint(0, E, (T, k), device=device, dtype=ids_dtype)
+    ids[::5, 1] = ids[::5, 0]
+    ids[::3, 2] = -1
+    ids[1::4, 0] = E
+    weights = torch.rand(T, k, device=device).to(weights_dtype)
+    out = fused_experts(x, w1, w2, weights, ids)
+    ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+    assert not torch.isnan(out).any()
+    assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+def test_idle_experts_and_one_expert_for_every_token(device, poisoned):  # noqa: F811
+    T, E, H, I = 37, 8, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    logits = torch.randn(T, E, device=device)
+    logits[:, 5] += 20.0  # expert 5 is everyone's first choice; second choices spread out and,
+    for k in (1, 2):      # with sigmoid scores, keep a real share of the weight
+        out = fused_moe(x, w1, w2, logits, k, scoring="sigmoid")
+        ref = fused_moe_torch(x.double(), w1.double(), w2.double(), logits.double(), k, scoring="sigmoid")
+        assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
+    ids = torch.full((T, 1), 2, device=device, dtype=torch.int32)  # seven experts get nothing
+    weights = torch.rand(T, 1, device=device)
+    out = fused_experts(x, w1, w2, weights, ids)
+    ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+    assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+def test_no_tokens(device):
+    x, w1, w2 = make_layer(0, 4, 32, 16, torch.float16, device)
+    out = fused_moe(x, w1, w2, torch.randn(0, 4, device=device), 2)
+    assert out.shape == (0, 32) and out.dtype == torch.float16
+    ids = torch.zeros(0, 2, dtype=torch.int32, device=device)
+    assert fused_experts(x, w1, w2, ids.float(), ids).shape == (0, 32)
+
+
+def test_strided_inputs(device):
+    """Rows of hidden_states with a larger stride are read in place; weights without unit
+    stride along their last dimension are copied first."""
+    T, E, k, H, I = 9, 4, 2, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    wide = torch.randn(T, 2 * H, device=device)
+    wide[:, 16:16 + H] = x
+    w1_t = w1.transpose(1, 2).contiguous().transpose(1, 2)
+    logits = torch.randn(T, 2 * E, device=device)[:, ::2]
+    out = fused_moe(wide[:, 16:16 + H], w1_t, w2, logits, k)
+    ref = fused_moe_torch(x.double(), w1.double(), w2.double(), logits.double(), k)
+    assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+@triton.jit
+def _products_kernel(index_ptr, stride, out_ptr):
+    tl.store(out_ptr, wide_offset(tl.load(index_ptr), stride))
+
+
+def test_wide_offset_is_64_bit(device):
+    index = torch.tensor([300_000], dtype=torch.int32, device=device)
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    _products_kernel[(1,)](index, 100_003, out)
+    assert out.item() == 300_000 * 100_003  # 3.0e10: wraps to a wrong value in 32 bits
+
+
+_BEYOND_2_31 = textwrap.dedent("""
+    import torch
+    from flashmoe_science.moe import fused_experts
+    from flashmoe_science.moe.reference import fused_experts_torch
+    torch.manual_seed(0)
+    # Expert 2 of w1 and token 2 of x start 2**31 + 2**21 elements into one buffer, with strides
+    # (2**30 + 2**20) that fit 32 bits, so only their products overflow. The buffer is 4.3 GB of
+    # address space; only the pages of the tensors below are ever touched.
+    S, E, I, H, T = 2**30 + 2**20, 3, 16, 32, 3
+    buf = torch.empty(2 * S + 4096, dtype=torch.float16, device=DEVICE)
+    w1 = buf.as_strided((E, 2 * I, H), (S, H, 1), 0)
+    x = buf.as_strided((T, H), (S, 1), 2048)
+    w1.copy_(torch.randn(E, 2 * I, H) / H**0.5)
+    x.copy_(torch.randn(T, H))
+    w2 = (torch.randn(E, H, I) / I**0.5).half().to(DEVICE)
+    ids = torch.tensor([[2, 1], [2, 0], [1, 2]], dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(T, 2, device=DEVICE)
+    out = fused_experts(x, w1, w2, weights, ids)
+    ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+    print("rel_error", ((out.double() - ref).norm() / ref.norm()).item())
+""")
+
+
+def test_offsets_beyond_2_31_elements(device):
+    """In a subprocess, because a 32-bit offset here is a wild address: the failure is a crash."""
+    env = dict(os.environ)
+    if device.type == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", f"DEVICE = {str(device)!r}\n" + _BEYOND_2_31],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-2000:]}"
+    error = float(proc.stdout.split("rel_error")[-1])
+    assert error < 2e-3, proc.stdout
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w1, w2, lg: fused_moe(x[0], w1, w2, lg, 2), "hidden_states must be 2-D"),
+    (lambda x, w1, w2, lg: fused_moe(x.tolist(), w1, w2, lg, 2), "hidden_states must be a torch.Tensor"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1[0], w2, lg, 2), "w1 must be 3-D"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1, w2[:, :, :8], lg, 2), r"w2 has shape .* expected \(E, H, I\)"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1[:3], w2[:3], lg, 2), r"router_logits has shape .* expected \(T, E\)"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1, w2[:3], lg, 2), "w2 has shape"),
+    (lambda x, w1, w2, lg: fused_moe(x[:, :24], w1[:, :, :24], w2[:, :24], lg, 2), "H = 24"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1[:, :16], w2[:, :, :8], lg, 2), "I = 8 "),
+    (lambda x, w1, w2, lg: fused_moe(x, w1[:, :31], w2, lg, 2), "w1 has shape"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1, w2, lg, 5), "top_k must be between 1 and min"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1, w2, lg, 0), "top_k must be between"),
+    (lambda x, w1, w2, lg: fused_moe(x.double(), w1.double(), w2.double(), lg, 2), "hidden_states has dtype"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1.half(), w2, lg, 2), "w1 has dtype"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1, w2, lg.long(), 2), "router_logits has dtype"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1, w2, lg, 2, activation="relu"), "activation must be one of"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1, w2, lg, 2, renormalize=None), "renormalize must be a bool"),
+    (lambda x, w1, w2, lg: fused_experts(x, w1, w2, lg[:, :2], lg[:, :2]), "topk_ids has dtype"),
+    (lambda x, w1, w2, lg: fused_experts(x, w1, w2, lg[:, :2], lg[:, :3].int()), "topk_weights .* and topk_ids"),
+    (lambda x, w1, w2, lg: fused_experts(x, w1, w2, lg[:3, :2], lg[:3, :2].int()), "topk_weights .* and topk_ids"),
+    (lambda x, w1, w2, lg: fused_experts(x, w1, w2, lg[:, :2].int(), lg[:, :2].int()), "topk_weights has dtype"),
+])
+def test_bad_input_raises_a_clear_error(device, call, match):
+    x, w1, w2 = make_layer(6, 4, 32, 16, torch.float32, device)
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(x, w1, w2, torch.randn(6, 4, device=device))
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w1, w2 = make_layer(3, 4, 32, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="hidden_states is on the CPU"):
+        fused_moe(x, w1, w2, torch.randn(3, 4), 2)
+
+
+@pytest.mark.gpu
+def test_mixed_devices():
+    x, w1, w2 = make_layer(3, 4, 32, 16, torch.float16, "cuda")
+    with pytest.raises(ValueError, match="w2 is on cpu"):
+        fused_moe(x, w1, w2.cpu(), torch.randn(3, 4, device="cuda"), 2)
+    with pytest.raises(ValueError, match="router_logits is on"):
+        fused_moe(x, w1, w2, torch.randn(3, 4), 2)
+
+
+# (name, E, k, H, I, T): the benchmark's shapes at decode and prefill sizes.
+REAL_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 1), ("qwen3-30b-a3b", 128, 8, 2048, 768, 256),
+               ("mixtral-8x7b", 8, 2, 4096, 14336, 16), ("deepseek-v2-lite", 64, 6, 2048, 1408, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,E,k,H,I,T", REAL_SHAPES)
+def test_bf16_real_shapes(name, E, k, H, I, T):
+    x, w1, w2 = make_layer(T, E, H, I, torch.bfloat16, "cuda")
+    logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
+    out = fused_moe(x, w1, w2, logits, k)
+    # Reference and PyTorch's bf16 run use our routing: bf16 logits tie, and a tie broken the
+    # other way changes the output without either being wrong (routing is tested on its own).
+    weights, ids = moe_route(logits, k)
+    ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+    check_against_reference(out, ref, fused_experts_torch(x, w1, w2, weights, ids), atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_fp32_uses_tf32_within_its_precision():
+    x, w1, w2 = make_layer(200, 16, 256, 128, torch.float32, "cuda")
+    logits = torch.randn(200, 16, device="cuda")
+    out = fused_moe(x, w1, w2, logits, 4)
+    ref = fused_moe_torch(x.double(), w1.double(), w2.double(), logits.double(), 4)
+    assert rel_error(out, ref) < 5e-3  # tf32 keeps 10 mantissa bits
+
+
+@pytest.mark.gpu
+def test_deterministic_and_no_host_sync():
+    x, w1, w2 = make_layer(4096, 128, 2048, 768, torch.bfloat16, "cuda")
+    logits = torch.randn(4096, 128, device="cuda")
+    first = fused_moe(x, w1, w2, logits, 8)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = fused_moe(x, w1, w2, logits, 8)
+        decode = fused_moe(x[:3], w1, w2, logits[:3], 8)
+        fused_experts(x[:3], w1, w2, *moe_route(logits[:3], 8))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, second)
+    # The decode call runs other tiles (another order of the K sums): equal up to bf16 rounding.
+    torch.testing.assert_close(decode, first[:3], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_cuda_graph_capture(T):
+    E, k, H, I = 64, 6, 1024, 512
+    x, w1, w2 = make_layer(T, E, H, I, torch.bfloat16, "cuda")
+    logits = torch.randn(T, E, device="cuda")
+    fused_moe(x, w1, w2, logits, k)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, w1, w2, logits, k)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fused_moe(x, w1, w2, logits, k)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        torch.testing.assert_close(static_out, fused_moe(x, w1, w2, logits, k), rtol=0, atol=0)

@@ -1,0 +1,128 @@
+"""Routing (top-k) and the dispatch layout, on the CPU interpreter (and on the GPU when present)."""
+import pytest
+import torch
+
+from flashmoe_science.moe import configs, moe_route, routing
+from flashmoe_science.moe.reference import moe_route_torch
+
+POISON_INT = -7
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN (floats) or POISON_INT (ints)."""
+    def allocate(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else POISON_INT
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(routing, "allocate", allocate)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("T,E,k", [(1, 1, 1), (5, 4, 2), (33, 8, 8), (300, 64, 6), (17, 200, 8)])
+def test_route_matches_reference(device, poisoned, T, E, k, scoring, renormalize):
+    logits = torch.randn(T, E, device=device) * 2
+    weights, ids = moe_route(logits, k, renormalize=renormalize, scoring=scoring)
+    ref_w, ref_ids = moe_route_torch(logits.double(), k, renormalize=renormalize, scoring=scoring)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (T, k)
+    assert torch.equal(ids.long().cpu(), ref_ids.cpu())  # continuous random logits: no ties
+    torch.testing.assert_close(weights.double(), ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_route_low_precision_logits(device, dtype):
+    """Half-precision logits are scored in fp32; equal scores (common in 16 bits) may be picked in
+    either order, so check the chosen scores are the k largest rather than the exact ids."""
+    T, E, k = 40, 64, 8
+    logits = (torch.randn(T, E, device=device) * 3).to(dtype)
+    weights, ids = moe_route(logits, k, renormalize=False)
+    scores = torch.softmax(logits.double(), dim=-1)
+    top = torch.topk(scores, k, dim=-1).values
+    torch.testing.assert_close(scores.gather(1, ids.long()), top, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(weights.double(), top, rtol=1e-5, atol=1e-7)
+    assert all(len(set(row)) == k for row in ids.tolist())
+
+
+def test_route_ties_go_to_the_lower_expert(device):
+    logits = torch.zeros(3, 8, device=device)
+    logits[1, 5] = logits[1, 6] = 1.0
+    weights, ids = moe_route(logits, 3)
+    assert ids.tolist() == [[0, 1, 2], [5, 6, 0], [0, 1, 2]]
+    torch.testing.assert_close(weights[0], torch.full((3,), 1 / 3, device=device))
+
+
+def test_route_empty(device):
+    weights, ids = moe_route(torch.randn(0, 16, device=device), 4)
+    assert weights.shape == ids.shape == (0, 4) and weights.dtype == torch.float32 and ids.dtype == torch.int32
+
+
+def expected_layout(ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
+    """The layout written out in Python: per expert its pairs in increasing order, in whole
+    blocks; returns (rows: a pair or None for padding, block experts, block row counts)."""
+    flat = ids.flatten().tolist()
+    rows, experts, counts = [], [], []
+    for e in range(num_experts):
+        pairs = [p for p, x in enumerate(flat) if x == e]
+        blocks = -(-len(pairs) // block_m)
+        rows += pairs + [None] * (blocks * block_m - len(pairs))
+        experts += [e] * blocks
+        counts += [min(block_m, len(pairs) - b * block_m) for b in range(blocks)]
+    padding = num_blocks - len(experts)
+    return rows, experts + [-1] * padding, counts + [0] * padding
+
+
+def check_layout(layout, ids, num_experts):
+    rows, experts, counts = expected_layout(ids.cpu(), num_experts, layout.block_m, layout.num_blocks)
+    assert layout.block_expert.tolist() == experts
+    assert layout.block_rows.tolist() == counts
+    written = layout.sorted_pairs[: len(rows)].tolist()
+    assert [w for w, r in zip(written, rows) if r is not None] == [r for r in rows if r is not None]
+
+
+# (T, E, k): one dispatch chunk (T <= 128) and several; up to 200 experts; one expert for all.
+LAYOUT_CASES = [(1, 8, 2), (33, 8, 3), (70, 64, 8), (300, 8, 2), (300, 200, 4), (129, 1, 1)]
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("T,E,k", LAYOUT_CASES)
+def test_routing_builds_the_sorted_layout(device, poisoned, T, E, k, block_m):
+    """fused_moe's path: routing and layout in one launch (one chunk) or route + align."""
+    plan = routing.DispatchPlan(T, E, k, block_m, torch.device(device))
+    assert (plan.num_chunks == 1) == (T <= configs.CHUNK_TOKENS)
+    logits = torch.randn(T, E, device=device)
+    weights, ids, layout = routing.route_pairs(logits, plan, ("test", T, E, k, block_m), sigmoid=False,
+                                               renormalize=True, with_layout=True)
+    assert torch.equal(ids.long().cpu(), moe_route_torch(logits.double(), k)[1].cpu())
+    check_layout(layout, ids, E)
+
+
+@pytest.mark.parametrize("T,E,k", LAYOUT_CASES)
+def test_align_given_ids(device, poisoned, T, E, k):
+    """fused_experts' path (count + align, or align alone), with ids that skip most experts and
+    ids outside [0, E), which are left out of the layout."""
+    ids = torch.randint(0, min(E, 3), (T, k), device=device, dtype=torch.int32) * (E // min(E, 3))
+    ids[::7, 0] = -1
+    ids[3::11, -1] = E
+    plan = routing.DispatchPlan(T, E, k, 32, torch.device(device))
+    layout = routing.align_pairs(ids, plan, ("test-align", T, E, k))
+    check_layout(layout, ids, E)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda d: moe_route([[1.0, 2.0]], 1), "router_logits must be a torch.Tensor"),
+    (lambda d: moe_route(torch.randn(2, 3, 4, device=d), 1), "router_logits must be 2-D"),
+    (lambda d: moe_route(torch.randint(0, 3, (2, 4), device=d), 1), "router_logits has dtype"),
+    (lambda d: moe_route(torch.randn(2, 300, device=d), 1), "router_logits has E = 300"),
+    (lambda d: moe_route(torch.randn(2, 4, device=d), 5), "top_k must be between 1 and min"),
+    (lambda d: moe_route(torch.randn(2, 16, device=d), 9), "top_k must be between 1 and min"),
+    (lambda d: moe_route(torch.randn(2, 4, device=d), 0), "top_k must be between"),
+    (lambda d: moe_route(torch.randn(2, 4, device=d), 2.0), "top_k must be an int"),
+    (lambda d: moe_route(torch.randn(2, 4, device=d), [2]), "top_k must be an int"),
+    (lambda d: moe_route(torch.randn(2, 4, device=d), 2, scoring="relu"), "scoring must be one of"),
+    (lambda d: moe_route(torch.randn(2, 4, device=d), 2, renormalize=1), "renormalize must be a bool"),
+])
+def test_route_rejects_bad_input(device, bad, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        bad(device)
