@@ -45,7 +45,7 @@ def check_against_reference(q, k, v, causal, softmax_scale=None):
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen), "rows that see no key must have lse = -inf"
     assert torch.all(lse[~seen] == float("-inf"))
-    lse_tol = 1e-5 if q.dtype == torch.float32 and not tf32 else 3e-3
+    lse_tol = 2e-2 if tf32 else (1e-5 if q.dtype == torch.float32 else 3e-3)
     torch.testing.assert_close(lse[seen], ref_lse[seen], atol=lse_tol, rtol=1e-4)
     return out, lse
 
