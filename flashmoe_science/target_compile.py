@@ -12,8 +12,10 @@ TRITON_INTERPRET, because the interpreter replaces kernels with Python functions
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from .device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS
@@ -57,23 +59,35 @@ def shipped_builds(capability: int) -> list[KernelBuild]:
     return builds + list(moe_configs.shipped_builds(capability))
 
 
-def check(capabilities=SUPPORTED_TARGETS) -> list[dict]:
-    rows = []
-    for cap in capabilities:
-        limit = SHARED_MEMORY_PER_BLOCK[cap]
-        for build in shipped_builds(cap):
-            row = {"target": f"sm{cap}", "label": build.label, "num_warps": build.num_warps,
-                   "num_stages": build.num_stages, "limit": limit}
-            try:
-                kernel = compile_build(build, cap)
-            except Exception as exc:  # reported, and the test fails on it
-                row.update(shared=None, fits=False, error=f"{type(exc).__name__}: {exc}"[:500])
-            else:
-                ptx = kernel.asm.get("ptx", "")
-                row.update(shared=kernel.metadata.shared, fits=kernel.metadata.shared <= limit,
-                           wgmma="wgmma" in ptx, error=None)
-            rows.append(row)
-    return rows
+def _compile_row(capability: int, index: int) -> dict:
+    """Compile build `index` of `shipped_builds(capability)` and report whether it fits."""
+    build = shipped_builds(capability)[index]
+    limit = SHARED_MEMORY_PER_BLOCK[capability]
+    row = {"target": f"sm{capability}", "label": build.label, "num_warps": build.num_warps,
+           "num_stages": build.num_stages, "limit": limit}
+    try:
+        kernel = compile_build(build, capability)
+    except Exception as exc:  # reported, and the test fails on it
+        row.update(shared=None, fits=False, error=f"{type(exc).__name__}: {exc}"[:500])
+    else:
+        ptx = kernel.asm.get("ptx", "")
+        row.update(shared=kernel.metadata.shared, fits=kernel.metadata.shared <= limit,
+                   wgmma="wgmma" in ptx, error=None)
+    return row
+
+
+def check(capabilities=SUPPORTED_TARGETS, workers: int | None = None) -> list[dict]:
+    """One row per (target, build), in order. Compiling is CPU-bound and independent per build,
+    so `workers` processes (default: one per CPU core) share the list; each process rebuilds the
+    list itself, because Triton's JIT functions do not pickle."""
+    jobs = [(cap, index) for cap in capabilities for index in range(len(shipped_builds(cap)))]
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    if workers <= 1:
+        return [_compile_row(cap, index) for cap, index in jobs]
+    # spawn, not fork: a parent that has touched CUDA or Triton's driver must not be forked.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        return list(pool.map(_compile_row, *zip(*jobs)))
 
 
 def main(argv=None) -> int:

@@ -114,16 +114,21 @@ def shipped_builds(capability: int):
     from ._kernels.forward import attention_forward_kernel
 
     ptr = {2: "*fp16", 4: "*fp32"}
+    # Each config compiles plain, and with every option on (causal, softcap, variable lengths):
+    # the options change no tile, so shared memory is the same.
+    variants = ((False, False, False), (True, True, True))
     for element_size, block_d, cfg in forward_configs(capability):
-        for causal in (False, True):
+        for causal, softcap, varlen in variants:
             sig = {name: "i32" for name in attention_forward_kernel.arg_names}
             sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O=ptr[element_size],
-                       LSE="*fp32", scale_log2="fp32")
+                       LSE="*fp32", CU_SEQLENS_Q="*i32", CU_SEQLENS_K="*i32", scale_log2="fp32",
+                       softcap_scale="fp32", softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                              CAUSAL=causal, WRITE_LSE=True)
+                              CAUSAL=causal, SOFTCAP=softcap, VARLEN=varlen, WRITE_LSE=True)
             sig.update({name: "constexpr" for name in constexprs})
+            options = "".join(f" {name}" for name, on in (("softcap", softcap), ("varlen", varlen)) if on)
             yield KernelBuild(
-                label=f"attention_forward fp{8 * element_size} D={block_d} causal={causal} {cfg}",
+                label=f"attention_forward fp{8 * element_size} D={block_d} causal={causal}{options} {cfg}",
                 fn=attention_forward_kernel, signature=sig, constexprs=constexprs,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 aligned=("Q", "K", "V", "O", "LSE", "stride_qb", "stride_qh", "stride_qm", "stride_kb",
@@ -151,43 +156,46 @@ class BackwardConfig:
 
 B = BackwardConfig
 C = AttentionConfig
-# BACKWARD[family][element bytes][padded head dim]. Registers bound the blocks: a dK/dV program
-# holds two fp32 accumulators of block_n x D plus the fp32 score tiles S^T and dP^T of
-# block_n x block_m, a dQ program one accumulator of block_m x D plus S and dP. On Hopper that
-# gives 128 resident rows at D <= 128 and 64 at D = 256, with 8 warps (two warpgroups for wgmma)
-# so the tiles stay near 128 to 192 registers per thread. Shared memory holds the resident pair
-# (K, V or Q, dO) plus one streamed pair per stage; the 163 KB and 99 KB parts get fewer stages
-# or narrower blocks, fp32 (tf32 products, twice the bytes) half-size blocks.
+# BACKWARD[family][element bytes][padded head dim]. Registers bound the blocks more than shared
+# memory: a dK/dV program holds two fp32 accumulators of block_n x D plus the fp32 score tiles
+# S^T and dP^T of block_n x block_m, a dQ program one accumulator of block_m x D plus S and dP.
+# On Hopper, 8 warps (two warpgroups for wgmma) with 128 resident keys at D <= 128 and 64 at
+# D = 256. Checked with `ptxas -v` and the SASS: the 16-bit entries spill no register inside a
+# loop on any family, except the dK/dV kernel at D = 256 on Hopper (a few spills per step; every
+# alternative spills more). fp32 runs tf32 products, whose wgmma operands sit in registers, so
+# its Hopper entries at D >= 128 spill: fp32 is there for correctness more than speed. Shared
+# memory holds the resident pair (K, V or Q, dO) plus one streamed pair per stage, which is
+# what limits the 99 KB parts.
 BACKWARD = {
     90: {
         2: {16: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
             32: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
             64: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
-            128: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
-            256: B(C(64, 64, 8, 2), C(64, 64, 8, 2))},
+            128: B(C(64, 128, 8, 2), C(128, 64, 8, 3)),
+            256: B(C(32, 64, 8, 2), C(64, 64, 8, 2))},
         4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
             32: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
             64: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
-            128: B(C(32, 64, 8, 2), C(64, 32, 8, 2)),
-            256: B(C(16, 64, 8, 2), C(32, 32, 8, 2))},
+            128: B(C(16, 64, 8, 2), C(64, 32, 8, 2)),
+            256: B(C(16, 64, 8, 2), C(64, 16, 8, 2))},
     },
     80: {
         2: {16: B(C(32, 128, 4, 3), C(128, 32, 4, 3)),
             32: B(C(32, 128, 4, 3), C(128, 32, 4, 3)),
-            64: B(C(32, 128, 4, 3), C(128, 32, 4, 3)),
-            128: B(C(64, 128, 8, 2), C(128, 64, 8, 2)),
-            256: B(C(32, 64, 8, 2), C(64, 32, 8, 2))},
+            64: B(C(64, 64, 4, 3), C(128, 32, 4, 3)),
+            128: B(C(64, 64, 8, 3), C(128, 64, 8, 3)),
+            256: B(C(32, 64, 8, 2), C(64, 32, 8, 3))},
         4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
             32: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
-            64: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            64: B(C(16, 64, 4, 2), C(64, 32, 4, 2)),
             128: B(C(32, 64, 8, 2), C(64, 32, 8, 2)),
-            256: B(C(16, 32, 4, 2), C(32, 16, 4, 2))},
+            256: B(C(16, 32, 8, 2), C(32, 16, 4, 2))},
     },
     89: {
         2: {16: B(C(32, 64, 4, 3), C(64, 64, 4, 3)),
             32: B(C(32, 64, 4, 3), C(64, 64, 4, 3)),
-            64: B(C(32, 64, 4, 2), C(64, 64, 4, 2)),
-            128: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
+            64: B(C(32, 64, 4, 3), C(64, 64, 4, 3)),
+            128: B(C(32, 64, 4, 3), C(64, 32, 4, 3)),
             256: B(C(16, 32, 4, 2), C(32, 16, 4, 2))},
         4: {16: B(C(16, 64, 4, 2), C(32, 32, 4, 2)),
             32: B(C(16, 64, 4, 2), C(32, 32, 4, 2)),
@@ -223,11 +231,6 @@ def backward_configs(capability: int):
             yield element_size, block_d, cfg
 
 
-# Shared memory a sweep candidate may plan for, by family (a little under each limit, leaving
-# room for the compiler's layout-conversion scratch).
-_SWEEP_SHARED_BYTES = {90: 220 * 1024, 80: 156 * 1024, 89: 92 * 1024}
-
-
 def backward_candidates(family: int, element_size: int, block_d: int):
     """Backward configurations worth timing for a padded head dim on a device family.
 
@@ -241,9 +244,14 @@ def backward_candidates(family: int, element_size: int, block_d: int):
     """
     from itertools import product
 
+    from ..device import SHARED_MEMORY_PER_BLOCK
+
     base = BACKWARD[family][element_size][block_d]
-    budget = _SWEEP_SHARED_BYTES[family]
-    resident_blocks, streamed_blocks = ((32, 64, 128), (16, 32, 64, 128)) if block_d >= 256 else ((64, 128), (32, 64, 128))
+    budget = SHARED_MEMORY_PER_BLOCK[family] - 8 * 1024  # room for the compiler's conversion scratch
+    if block_d >= 256:
+        resident_blocks, streamed_blocks = (32, 64, 128), (16, 32, 64, 128)
+    else:
+        resident_blocks, streamed_blocks = (64, 128), (32, 64, 128)
 
     def alternatives(accumulators: int):
         for resident, streamed, warps, stages in product(resident_blocks, streamed_blocks, (4, 8), (2, 3)):

@@ -1,39 +1,61 @@
-"""Attention forward: one program computes BLOCK_M query rows of one (batch, head) pair.
+"""Attention forward: one program computes BLOCK_M query rows of one (sequence, head) pair.
 
 The online softmax of FlashAttention-2 in base 2: scores are scaled by softmax_scale*log2(e)
 so every exponential is an exp2, the running row maximum `m` and row sum `l` rescale the
 accumulator when the maximum grows, and nothing of size Sq x Sk is ever stored.
 
-The key loop is split in two. Key blocks that every row of the program fully sees (below the
-causal diagonal and inside Sk) run without any mask; only the blocks that straddle the diagonal
-or the end of the keys pay for masking. Causal alignment is bottom-right: query i sees keys
-j <= i + (Sk - Sq), as flash-attn >= 2.1 and decoding need.
+Which keys a query sees is a band around the bottom-right diagonal: query i sees key j when
+diag_lo <= j - i <= diag_hi, where for a sequence with Sq queries and Sk keys
+    diag_hi = Sk - Sq + window_right  (causal: window_right = 0; unbounded: +2^30)
+    diag_lo = Sk - Sq - window_left   (unbounded: -2^30)
+as flash-attn >= 2.1 aligns causal and sliding-window attention. The key loop visits only the
+blocks that meet the band, in three runs: blocks on the band's left edge (masked), blocks every
+row of the program fully sees (no mask at all), and blocks on the right edge or past the end of
+the keys (masked). Cost therefore grows with the window, not with Sk.
+
+Variable-length batches (VARLEN) pack sequences along one token axis; cumulative lengths give
+each sequence's start, and programs past a short sequence's end return at once.
 """
 import triton
 import triton.language as tl
 
+from .tiles import load_tile
+
+UNBOUNDED = tl.constexpr(1 << 30)
+
 
 @triton.jit
-def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, seqlen_k, diagonal,
-                  scale_log2, stride_kn, stride_vn,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    cols = start_n + offs_n
-    if MASKED:
-        in_k = cols < seqlen_k
-        if BLOCK_D != HEAD_DIM:
-            kv_mask = in_k[:, None] & (offs_d[None, :] < HEAD_DIM)
-        else:
-            kv_mask = in_k[:, None]
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+def visible_band(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The band of keys query block `pid_m` sees (see the module docstring): returns
+    (diag_lo, diag_hi, lo, full_lo, full_hi, hi). Keys [lo, hi) meet the band; blocks in
+    [full_lo, full_hi) are visible to every row of the block and need no mask."""
+    diagonal = seqlen_k - seqlen_q
+    diag_hi = tl.where(window_right < 0, UNBOUNDED, diagonal + window_right)
+    diag_lo = tl.where(window_left < 0, -UNBOUNDED, diagonal - window_left)
+    first_row = pid_m * BLOCK_M
+    last_row = tl.minimum(first_row + BLOCK_M - 1, seqlen_q - 1)
+    lo = tl.maximum(first_row + diag_lo, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(last_row + diag_hi + 1, seqlen_k)
+    full_lo = tl.maximum(lo, tl.cdiv(tl.maximum(last_row + diag_lo, 0), BLOCK_N) * BLOCK_N)
+    full_hi = tl.maximum(full_lo, tl.minimum(first_row + diag_hi + 1, seqlen_k) // BLOCK_N * BLOCK_N)
+    return diag_lo, diag_hi, lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def softmax_step(acc, l_i, m_i, qk, v, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
+                 softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits (softcapped
+    if asked), masked to the band on edge blocks, then rescale and accumulate p.v."""
+    if SOFTCAP:
+        # softcap * tanh(score / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both tails.
+        t = qk * softcap_scale
+        s = (1.0 - 2.0 / (tl.math.exp2(t * 2.8853900817779268) + 1.0)) * softcap_log2
     else:
-        k = tl.load(k_ptrs + start_n * stride_kn)
-    s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = qk * scale_log2
     if MASKED:
-        visible = in_k[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
+        rel = cols[None, :] - offs_m[:, None]
+        visible = (cols[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
@@ -44,28 +66,45 @@ def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, off
     p = tl.math.exp2(s - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        v = tl.load(v_ptrs + start_n * stride_vn)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
 @triton.jit
+def finish(acc, l_i, m_i):
+    """Normalised output and natural-log lse. Rows that saw no key (causal with Sk < Sq, an empty
+    window, Sk = 0) have l = 0: output 0 and lse -inf."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    return acc / l_safe[:, None], lse
+
+
+@triton.jit
+def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, seqlen_k, diag_lo, diag_hi,
+                  scale_log2, softcap_scale, softcap_log2, stride_kn, stride_vn,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    cols = start_n + offs_n
+    start64 = tl.cast(start_n, tl.int64)  # start_n * stride passes 2**31 on long (B, S, H, D) inputs
+    k = load_tile(k_ptrs + start64 * stride_kn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    v = load_tile(v_ptrs + start64 * stride_vn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    qk = tl.dot(q, tl.trans(k))
+    return softmax_step(acc, l_i, m_i, qk, v, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
+                        softcap_log2, MASKED, SOFTCAP)
+
+
+@triton.jit
 def attention_forward_kernel(
-    Q, K, V, O, LSE,
-    scale_log2,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
+    stride_lb, stride_lh,
+    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     # A 1-D grid, query blocks of one head adjacent so that they share K/V in L2. Causal blocks
     # run heaviest first (the last query block sees the most keys), which shortens the tail.
@@ -78,49 +117,54 @@ def attention_forward_kernel(
     h = pid_bh % num_heads_q
     h_kv = h // group_size
 
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + b)
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+        if pid_m * BLOCK_M >= seqlen_q:
+            return
+    else:
+        q_start = 0
+        k_start = 0
+
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
-    q_ptrs = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
-    kv_row = offs_n[:, None].to(tl.int64)
-    k_ptrs = K + b64 * stride_kb + h_kv.to(tl.int64) * stride_kh + kv_row * stride_kn + offs_d[None, :]
-    v_ptrs = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + kv_row * stride_vn + offs_d[None, :]
+    q_rows = (q_start + offs_m[:, None]).to(tl.int64)
+    q_ptrs = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_rows * stride_qm + offs_d[None, :]
+    kv_rows = (k_start + offs_n[:, None]).to(tl.int64)
+    k_ptrs = K + b64 * stride_kb + h_kv.to(tl.int64) * stride_kh + kv_rows * stride_kn + offs_d[None, :]
+    v_ptrs = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + kv_rows * stride_vn + offs_d[None, :]
 
-    row_mask = offs_m[:, None] < seqlen_q
-    if BLOCK_D != HEAD_DIM:
-        row_mask = row_mask & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    diagonal = seqlen_k - seqlen_q
-    if CAUSAL:
-        # Keys this block's last row may see, and keys its first row sees (all rows see those).
-        end_n = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + diagonal)
-        full_n = tl.minimum(end_n, pid_m * BLOCK_M + diagonal + 1)
-    else:
-        end_n = seqlen_k
-        full_n = seqlen_k
-    full_n = tl.maximum(full_n, 0) // BLOCK_N * BLOCK_N
-
-    for start_n in range(0, full_n, BLOCK_N):
+    diag_lo, diag_hi, lo, full_lo, full_hi, hi = visible_band(pid_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                               BLOCK_M, BLOCK_N)
+    for start_n in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
-                                      seqlen_k, diagonal, scale_log2, stride_kn, stride_vn,
-                                      HEAD_DIM, BLOCK_D, False, CAUSAL)
-    for start_n in range(full_n, end_n, BLOCK_N):
+                                      seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, True, SOFTCAP)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
-                                      seqlen_k, diagonal, scale_log2, stride_kn, stride_vn,
-                                      HEAD_DIM, BLOCK_D, True, CAUSAL)
+                                      seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, False, SOFTCAP)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
+                                      seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, True, SOFTCAP)
 
-    # Rows that saw no key (causal with Sk < Sq, or Sk = 0) have l = 0: output 0, lse -inf.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    o_ptrs = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
+    out, lse = finish(acc, l_i, m_i)
+    o_ptrs = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_rows * stride_om + offs_d[None, :]
+    row_mask = offs_m[:, None] < seqlen_q
+    if BLOCK_D != HEAD_DIM:
+        row_mask = row_mask & (offs_d[None, :] < HEAD_DIM)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_mask)
     if WRITE_LSE:
-        # lse in natural log: (m + log2 l) * ln 2, with m in the base-2 scaled units of the loop.
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-        tl.store(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+        lse_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_start + offs_m).to(tl.int64)
+        tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)

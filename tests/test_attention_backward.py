@@ -1,0 +1,392 @@
+"""Attention backward: gradients against the float64 reference, edge cases, determinism, bad input.
+
+On the CPU these run through Triton's interpreter in fp32 and fp16 at small sizes (bf16 products
+are wrong under the interpreter); the GPU tests (marked `gpu`) add bf16, realistic sizes and
+D = 256, and compare our error with PyTorch's own in the same precision.
+"""
+import itertools
+
+import pytest
+import torch
+
+from flashmoe_science import flash_attention_backward, flash_attention_forward, flash_attention_science
+from flashmoe_science.attention import attention_reference
+from flashmoe_science.attention.configs import (BACKWARD, AttentionConfig, BackwardConfig, backward_candidates,
+                                                backward_config, backward_configs, head_dim_block)
+from flashmoe_science.attention.interface import attention_backward
+from flashmoe_science.attention.reference import causal_mask
+from flashmoe_science.device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS, DeviceInfo
+from test_attention_forward import make_qkv, rel_error
+
+# Tiny blocks: many key and query blocks per program even at CPU sizes, so every loop of the
+# kernels (diagonal, unmasked, query tail, key tail, several GQA heads) runs.
+TINY_BLOCKS = BackwardConfig(dkdv=AttentionConfig(16, 32, 4, 1), dq=AttentionConfig(32, 16, 4, 1))
+
+# Largest |ours - reference| allowed, relative to the largest reference gradient element.
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+@pytest.fixture
+def poisoned_allocations():
+    """Every torch.empty is filled with NaN, so an output element the kernels never write shows."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def reference_grads(q, k, v, grad_out, causal, softmax_scale=None, grad_lse=None):
+    """float64 gradients of (out, lse) through the reference, weighted by grad_out (and grad_lse)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = attention_reference(q64, k64, v64, causal=causal, softmax_scale=softmax_scale)
+    outputs, grads = [out], [grad_out.double()]
+    if grad_lse is not None:
+        outputs.append(lse)
+        grads.append(grad_lse.double())
+    return torch.autograd.grad(outputs, (q64, k64, v64), grads)
+
+
+def assert_grads_close(ours, refs, dtype):
+    for name, g, ref in zip(("dq", "dk", "dv"), ours, refs):
+        assert g.shape == ref.shape, name
+        assert not g.isnan().any(), f"NaN in {name}"
+        err = (g.double() - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        assert err <= TOL[dtype] * max(scale, 1.0), f"{name}: max error {err:.3g} for gradients up to {scale:.3g}"
+
+
+def run_backward(q, k, v, grad_out, causal, config=None, softmax_scale=None):
+    out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return attention_backward(grad_out, q, k, v, out, lse, causal, softmax_scale, config=config)
+
+
+@pytest.mark.parametrize("config", [None, TINY_BLOCKS], ids=["table", "tiny_blocks"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,dtype", [
+    (2, 2, 2, 37, 37, 16, torch.float32),    # lengths not block multiples
+    (1, 4, 2, 19, 70, 40, torch.float32),    # GQA, Sq < Sk, non-power-of-two D
+    (1, 3, 1, 70, 45, 80, torch.float32),    # MQA, Sq > Sk: causal rows i < Sq - Sk see no key
+    (1, 2, 2, 1, 33, 64, torch.float32),     # decode: one query against a cache
+    (1, 2, 1, 40, 1, 64, torch.float32),     # one key
+    (1, 2, 1, 50, 66, 128, torch.float16),
+    (1, 2, 2, 33, 33, 64, torch.float16),
+    (1, 2, 1, 24, 40, 160, torch.float16),   # padded to the D = 256 tiles
+])
+def test_gradients_match_reference(B, Hq, Hkv, Sq, Sk, D, dtype, causal, config, device, poisoned_allocations):
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, device)
+    grad_out = torch.randn_like(q)
+    grads = run_backward(q, k, v, grad_out, causal, config)
+    assert_grads_close(grads, reference_grads(q, k, v, grad_out, causal), dtype)
+    assert [g.dtype for g in grads] == [dtype] * 3
+
+
+@pytest.mark.parametrize("offset", [-17, -1, 1, 14, 15, 16, 30, 31])
+def test_causal_diagonal_at_every_block_alignment(offset, device):
+    """Sk - Sq sweeps the diagonal across the tiny blocks' boundaries (16 and 32 rows), where an
+    off-by-one in the split between masked and unmasked blocks would show."""
+    q, k, v = make_qkv(1, 2, 1, 40, 40 + offset, 16, torch.float32, device)
+    grad_out = torch.randn_like(q)
+    grads = run_backward(q, k, v, grad_out, True, TINY_BLOCKS)
+    assert_grads_close(grads, reference_grads(q, k, v, grad_out, True), torch.float32)
+
+
+@pytest.mark.parametrize("config", [None, TINY_BLOCKS], ids=["table", "tiny_blocks"])
+def test_very_negative_scores_stay_finite(config, device):
+    """Every score near -130: lse is too, so exp(s - lse) of a zero-padded key past Sk (s = 0)
+    would overflow fp32; the masks must keep it out of the gradients."""
+    q = 1 + 0.01 * torch.randn(1, 2, 30, 16, device=device)
+    k = -(1 + 0.01 * torch.randn(1, 2, 45, 16, device=device))
+    v = torch.randn(1, 2, 45, 16, device=device)
+    grad_out = torch.randn_like(q)
+    for causal in (False, True):
+        grads = run_backward(q, k, v, grad_out, causal, config, softmax_scale=8.0)
+        assert_grads_close(grads, reference_grads(q, k, v, grad_out, causal, softmax_scale=8.0), torch.float32)
+
+
+def test_autograd_through_flash_attention_science(device):
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 2, 45, 60, 64, torch.float32, device))
+    grad_out = torch.randn_like(q)
+    flash_attention_science(q, k, v, causal=True).backward(grad_out)
+    assert_grads_close((q.grad, k.grad, v.grad), reference_grads(q, k, v, grad_out, True), torch.float32)
+
+
+def test_strided_inputs_and_grad_output(device):
+    """(B, S, H, D).transpose(1, 2) views are read in place, a grad_output with a non-unit stride
+    in D is copied, and the gradients keep the inputs' layouts and equal the contiguous run's."""
+    q, k, v = make_qkv(1, 4, 2, 40, 52, 64, torch.float32, device, layout="bshd")
+    grad_out = torch.randn(1, 4, 40, 128, device=device)[..., ::2]
+    assert grad_out.stride(-1) == 2 and q.stride(2) == 4 * 64
+    grads = run_backward(q, k, v, grad_out, causal=True)
+    for g, t in zip(grads, (q, k, v)):
+        assert g.stride() == t.stride()
+    assert_grads_close(grads, reference_grads(q, k, v, grad_out, True), torch.float32)
+    contiguous = run_backward(*(t.contiguous() for t in (q, k, v, grad_out)), causal=True)
+    for g, c in zip(grads, contiguous):
+        assert torch.equal(g, c), "the layout changed the result"
+
+
+def test_broadcast_grad_output(device):
+    """out.sum() backpropagates an expanded tensor of ones: strides of zero everywhere."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 30, 30, 32, torch.float32, device))
+    flash_attention_science(q, k, v, causal=True).sum().backward()
+    ones = torch.ones_like(q)
+    assert_grads_close((q.grad, k.grad, v.grad), reference_grads(q, k, v, ones, True), torch.float32)
+
+
+def test_rows_that_see_no_key_get_zero_gradients(device):
+    q, k, v = make_qkv(1, 2, 1, 50, 20, 64, torch.float32, device)
+    grad_out = torch.randn_like(q)
+    dq, dk, dv = run_backward(q, k, v, grad_out, causal=True, config=TINY_BLOCKS)
+    blind = 50 - 20  # causal, bottom-right: query i sees keys j <= i - 30
+    assert torch.equal(dq[:, :, :blind], torch.zeros_like(dq[:, :, :blind]))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert_grads_close((dq, dk, dv), reference_grads(q, k, v, grad_out, True), torch.float32)
+
+
+def test_no_keys_and_no_queries(device):
+    q, k, v = make_qkv(1, 2, 2, 5, 0, 32, torch.float32, device)
+    dq, dk, dv = run_backward(q, k, v, torch.randn_like(q), causal=False)
+    assert dq.shape == q.shape and torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape
+    q, k, v = make_qkv(1, 2, 2, 0, 7, 32, torch.float32, device)
+    dq, dk, dv = run_backward(q, k, v, torch.randn_like(q), causal=True)
+    assert dq.shape == q.shape and torch.equal(dk, torch.zeros_like(k)) and torch.equal(dv, torch.zeros_like(v))
+
+
+def test_custom_softmax_scale(device):
+    q, k, v = make_qkv(1, 2, 2, 24, 40, 32, torch.float32, device)
+    grad_out = torch.randn_like(q)
+    grads = run_backward(q, k, v, grad_out, causal=True, softmax_scale=0.37)
+    assert_grads_close(grads, reference_grads(q, k, v, grad_out, True, softmax_scale=0.37), torch.float32)
+
+
+def test_lse_is_differentiable(device):
+    """A loss may use lse too: d lse_i / d s_ij = p_ij enters the backward through delta."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, 33, 48, 32, torch.float32, device))
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(1, 4, 33, device=device)
+    out, lse = flash_attention_science(q, k, v, causal=True, return_lse=True)
+    torch.autograd.backward((out, lse), (grad_out, grad_lse))
+    refs = reference_grads(q, k, v, grad_out, True, grad_lse=grad_lse)
+    assert_grads_close((q.grad, k.grad, v.grad), refs, torch.float32)
+    only_lse = torch.autograd.grad(flash_attention_science(q, k, v, causal=True, return_lse=True)[1],
+                                   (q, k, v), grad_lse)
+    refs = reference_grads(q, k, v, torch.zeros_like(q), True, grad_lse=grad_lse)
+    assert_grads_close(only_lse, refs, torch.float32)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients_bitwise_reproducible(deterministic, device):
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 1, 70, 70, 32, torch.float16, device))
+    grad_out = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        out = flash_attention_science(q, k, v, causal=True, deterministic=deterministic)
+        runs.append(torch.autograd.grad(out, (q, k, v), grad_out))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_flash_attention_backward_matches_autograd(device):
+    q, k, v = make_qkv(2, 2, 2, 31, 31, 48, torch.float32, device)
+    grad_out = torch.randn_like(q)
+    out, lse = flash_attention_forward(q, k, v, causal=True)
+    direct = flash_attention_backward(grad_out, q, k, v, out, lse, causal=True, deterministic=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    via_autograd = torch.autograd.grad(flash_attention_science(*leaves, causal=True), leaves, grad_out)
+    for a, b in zip(direct, via_autograd):
+        assert torch.equal(a, b)
+
+
+def test_double_backward_is_refused(device):
+    """A gradient penalty would otherwise silently drop dq's own dependence on q, k and v."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 8, 8, 16, torch.float32, device))
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(flash_attention_science(q, k, v).sum(), q, create_graph=True)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing(use_reentrant, device):
+    """Checkpointing re-runs the forward inside the backward: gradients must not change."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 1, 20, 28, 16, torch.float32, device))
+    grad_out = torch.randn_like(q)
+    flash_attention_science(q, k, v, causal=True).backward(grad_out)
+    plain = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    checkpoint(lambda *qkv: flash_attention_science(*qkv, causal=True), q, k, v,
+               use_reentrant=use_reentrant).backward(grad_out)
+    for before, t in zip(plain, (q, k, v)):
+        assert torch.equal(before, t.grad)
+
+
+def test_no_grad_calls_keep_the_lean_path_and_match(device):
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 32, torch.float32, device)
+    lean = flash_attention_science(q, k, v, causal=True)
+    differentiable = flash_attention_science(q.requires_grad_(), k, v, causal=True)
+    assert lean.grad_fn is None and differentiable.grad_fn is not None
+    assert torch.equal(lean, differentiable.detach())
+    with torch.no_grad():
+        assert flash_attention_science(q, k, v, causal=True).grad_fn is None
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(grad_output=torch.zeros(1, 2, 9, 32)), ValueError, "grad_output must have the shape of q"),
+    (dict(grad_output=torch.zeros(1, 2, 8, 32, dtype=torch.float16)), TypeError,
+     "grad_output must have the dtype of q"),
+    (dict(grad_output=[1.0]), TypeError, "grad_output must be a torch.Tensor"),
+    (dict(output=torch.zeros(1, 2, 8, 16)), ValueError, "output must have the shape of q"),
+    (dict(softmax_lse=torch.zeros(1, 2, 9)), ValueError, r"softmax_lse must have shape \(batch, heads_q, seqlen_q\)"),
+    (dict(softmax_lse=torch.zeros(1, 2, 8, dtype=torch.float64)), TypeError, "softmax_lse must be float32"),
+    (dict(softmax_lse=None), TypeError, "softmax_lse must be a torch.Tensor"),
+    (dict(k=torch.zeros(1, 3, 8, 32), v=torch.zeros(1, 3, 8, 32)), ValueError,
+     "multiple of the number of key/value heads"),
+    (dict(q="q"), TypeError, "q must be a torch.Tensor"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(softmax_scale="0.5"), TypeError, "softmax_scale must be a float"),
+    (dict(deterministic=None), TypeError, "deterministic must be a bool"),
+])
+def test_backward_bad_input_raises_clear_error(change, error, match, device):
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 32, torch.float32, device)
+    out, lse = flash_attention_forward(q, k, v)
+    args = dict(grad_output=torch.randn_like(q), q=q, k=k, v=v, output=out, softmax_lse=lse)
+    args.update({key: (value.to(device) if isinstance(value, torch.Tensor) else value)
+                 for key, value in change.items()})
+    with pytest.raises(error, match=match):
+        flash_attention_backward(**args)
+
+
+def test_differentiable_call_rejects_bad_options(device):
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 8, 8, 32, torch.float32, device))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_attention_science(q, k, v, deterministic="yes")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention_science(q, k, v, causal="no")
+
+
+def test_custom_ops_pass_opcheck(device):
+    """Schema, fake (meta) implementations with the real strides, autograd registration and
+    AOT dispatch with dynamic shapes, as torch.library checks them."""
+    forward = torch.ops.flashmoe_science.attention_forward.default
+    backward = torch.ops.flashmoe_science.attention_backward.default
+    for layout, causal in (("bhsd", True), ("bshd", False)):
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, 20, 24, 16, torch.float32, device, layout))
+        torch.library.opcheck(forward, (q, k, v, causal, None))
+        out, lse = forward(q.detach(), k.detach(), v.detach(), causal, 0.3)
+        grad_lse = torch.randn_like(lse) if causal else None
+        torch.library.opcheck(backward, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                                         causal, 0.3, grad_lse))
+
+
+@pytest.mark.parametrize("layouts", [("bhsd",) * 3, ("bshd",) * 3, ("bshd", "bhsd", "odd")])
+def test_fake_outputs_have_the_real_layouts(layouts, device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def make(layout, heads):
+        if layout == "odd":  # non-unit stride in D: the forward copies
+            return torch.randn(1, heads, 12, 64, device=device)[..., ::2]
+        return make_qkv(1, heads, heads, 12, 12, 32, torch.float32, device, layout)[0]
+
+    q, k, v = make(layouts[0], 4), make(layouts[1], 2), make(layouts[2], 2)
+    real = torch.ops.flashmoe_science.attention_forward(q, k, v, True, None)
+    real_grads = torch.ops.flashmoe_science.attention_backward(torch.randn_like(q), q, k, v, *real, True, None, None)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake = torch.ops.flashmoe_science.attention_forward(fq, fk, fv, True, None)
+        fake_grads = torch.ops.flashmoe_science.attention_backward(torch.empty_like(fq), fq, fk, fv, *fake, True,
+                                                                   None, None)
+    for r, f in zip(real + real_grads, fake + fake_grads):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+@pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
+def test_backward_dispatcher_only_picks_shipped_configs(capability):
+    """Whatever the dispatcher picks is among the builds the compile-and-fit check compiles."""
+    shipped = set(backward_configs(capability))
+    device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
+    for element_size, head_dim in itertools.product((2, 4), (16, 24, 40, 64, 80, 96, 128, 160, 192, 256)):
+        cfg = backward_config(device, element_size, head_dim)
+        assert (element_size, head_dim_block(head_dim), cfg) in shipped
+
+
+@pytest.mark.parametrize("family", [90, 80, 89])
+def test_backward_sweep_candidates_start_with_the_table_and_vary_one_kernel(family):
+    for element_size, block_d in itertools.product((2, 4), (16, 32, 64, 128, 256)):
+        base = BACKWARD[family][element_size][block_d]
+        candidates = list(backward_candidates(family, element_size, block_d))
+        assert candidates[0] == base and len(set(candidates)) == len(candidates)
+        assert all(c.dkdv == base.dkdv or c.dq == base.dq for c in candidates)
+
+
+# ---- GPU: bf16, realistic sizes and D = 256, error compared with PyTorch's own ----
+
+def _pytorch_grads(q, k, v, grad_out, causal):
+    """PyTorch's own gradients in the input precision: SDPA's default dispatch (a fused kernel,
+    like ours), with our bottom-right causal mask spelled out and K, V repeated for GQA."""
+    group = q.shape[1] // k.shape[1]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        leaves[0], leaves[1].repeat_interleave(group, 1), leaves[2].repeat_interleave(group, 1), attn_mask=mask)
+    return torch.autograd.grad(out, leaves, grad_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D", [
+    (2, 8, 8, 1024, 1024, 64), (1, 16, 4, 777, 1500, 128), (2, 4, 4, 513, 513, 256),
+    (1, 8, 2, 300, 300, 80), (1, 4, 1, 2048, 2048, 128), (1, 4, 4, 1, 1024, 128),
+])
+def test_gpu_gradients_within_twice_pytorch(B, Hq, Hkv, Sq, Sk, D, causal, dtype):
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout="bshd"))
+    grad_out = torch.randn(B, Sq, Hq, D, dtype=dtype, device="cuda").transpose(1, 2)
+    ours = torch.autograd.grad(flash_attention_science(q, k, v, causal=causal), (q, k, v), grad_out)
+    refs = reference_grads(q, k, v, grad_out, causal)
+    theirs = _pytorch_grads(q, k, v, grad_out, causal)
+    for name, g, t, ref in zip(("dq", "dk", "dv"), ours, theirs, refs):
+        assert torch.isfinite(g).all(), name
+        assert rel_error(g, ref) <= 2 * rel_error(t, ref) + 5e-4, (name, rel_error(g, ref), rel_error(t, ref))
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_gradients_use_tf32_within_tolerance():
+    q, k, v = make_qkv(1, 4, 2, 300, 400, 64, torch.float32, "cuda")
+    grad_out = torch.randn_like(q)
+    grads = run_backward(q, k, v, grad_out, causal=True)
+    for g, ref in zip(grads, reference_grads(q, k, v, grad_out, True)):
+        assert rel_error(g, ref) < 1e-2  # tf32 keeps 10 mantissa bits; dP - delta cancels some
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_deterministic_and_fully_written(D):
+    """Two runs agree bitwise (a race would show), with the caching allocator's blocks filled
+    with NaN before each run so that an unwritten gradient element would show too."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 8, 2, 1000, 1000, D, torch.bfloat16, "cuda"))
+    grad_out = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        poison = [torch.full_like(t, float("nan")) for t in (q, k, v, q, k, v)]
+        del poison
+        out = flash_attention_science(q, k, v, causal=True, deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), grad_out))
+    for first, second in zip(*runs):
+        assert torch.isfinite(first).all()
+        assert torch.equal(first, second)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_memory_is_linear_in_sequence_length():
+    """No Sq x Sk buffer: the backward's extra memory beyond its inputs and gradients is O(S)."""
+    q, k, v = make_qkv(1, 8, 8, 8192, 8192, 128, torch.bfloat16, "cuda")
+    grad_out = torch.randn_like(q)
+    out, lse = flash_attention_forward(q, k, v, causal=True)
+    flash_attention_backward(grad_out, q, k, v, out, lse, causal=True)  # compile outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = flash_attention_backward(grad_out, q, k, v, out, lse, causal=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - sum(g.numel() * g.element_size() for g in grads)
+    assert extra <= 2 * 8 * 8192 * 4 + (1 << 20), extra  # delta (fp32 per query row), plus slack
