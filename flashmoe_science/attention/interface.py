@@ -36,7 +36,7 @@ class _ForwardPlan:
     """Everything about a forward call that depends only on its shapes, strides and dtypes."""
 
     __slots__ = ("empty", "contiguous", "config", "head_dim", "block_d", "group", "grid", "num_m_blocks",
-                 "default_scale", "lse_shape", "device_index")
+                 "default_scale", "lse_shape", "device_index", "launch_tail")
 
     def __init__(self, q, k, v, config=None):
         _check_inputs(q, k, v)
@@ -53,6 +53,7 @@ class _ForwardPlan:
         self.config = config or forward_config(info_for(q), q.element_size(), head_dim, seqlen_q, batch * heads_q)
         self.num_m_blocks = -(-seqlen_q // self.config.block_m)
         self.grid = (self.num_m_blocks * batch * heads_q, 1, 1)
+        self.launch_tail = None  # the kernel arguments after the pointers and scales, set at first launch
 
 
 _PLANS: dict = {}
@@ -138,16 +139,18 @@ def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_
         return out, lse
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
     cfg = plan.config
-    batch, heads_q, seqlen_q, _ = q.shape
-    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-    _FORWARD.launch(
-        key, plan.grid,
-        (q, k, v, out, lse if write_lse else out, None, None, scale * _LOG2E, 0.0, 0.0,
-         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
-         heads_q * seqlen_q, seqlen_q,
-         heads_q, plan.group, seqlen_q, k.shape[2], plan.num_m_blocks, -1, 0 if causal else -1,
-         plan.head_dim, plan.block_d, cfg.block_m, cfg.block_n, causal, False, False, write_lse),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
+    tail = plan.launch_tail
+    if tail is None:
+        # Strides, sizes and constexprs follow from the plan's key, so they are gathered once.
+        _, heads_q, seqlen_q, _ = q.shape
+        sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
+        tail = plan.launch_tail = (
+            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+            heads_q * seqlen_q, seqlen_q,
+            heads_q, plan.group, seqlen_q, k.shape[2], plan.num_m_blocks, -1, 0 if causal else -1,
+            plan.head_dim, plan.block_d, cfg.block_m, cfg.block_n, causal, False, False, write_lse)
+    _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, None, None, scale * _LOG2E, 0.0, 0.0)
+                    + tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     return out, lse
 
 
