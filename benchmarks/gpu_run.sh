@@ -3,7 +3,7 @@
 # written under $OUT and packed into one archive (the device tool returns at most 8 files).
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
-#   stages: env tests sweep attention-small attention-fwd attention-bwd attention-fwd+bwd moe moe-fwd+bwd moe-sweep
+#   stages: env tests sweep hopper-sweep backward-sweep attention-small attention-fwd attention-bwd attention-fwd+bwd moe moe-fwd+bwd moe-sweep
 #   (default: env tests attention-fwd attention-bwd moe)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
@@ -30,6 +30,10 @@ for stage in "${stages[@]}"; do
       python3 -m pytest -q -p no:cacheprovider -m "not targets" \
         --junitxml="$RESULTS/gpu_tests.xml" $TESTS 2>&1 | tail -n 40 | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
     sweep) bench attention --sweep --seqlens 4096 --no-plot ;;
+    hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
+    backward-sweep)
+      python3 -m flashmoe_science.bench.backward_sweep --head-dims "${HEAD_DIMS:-128}" --seqlens 4096 \
+        --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
     attention-small) bench attention --mode fwd --sections overhead,small --no-plot ;;
     attention-fwd) bench attention --mode fwd ;;
     attention-bwd) bench attention --mode bwd ;;

@@ -38,6 +38,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--flex-head-dims", default="128",
                         help="head dims at which compiled FlexAttention is measured (each shape compiles)")
     parser.add_argument("--sweep", action="store_true", help="time every candidate forward config instead")
+    parser.add_argument("--sweep-hopper", action="store_true",
+                        help="time the Hopper TMA forward kernel's candidates against the generic kernel instead")
 
 
 def _ints(text):
@@ -332,11 +334,51 @@ def _sweep(args, device):
     return rows
 
 
+HOPPER_CANDIDATES = {64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+                     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)],
+                     256: [(128, 64, 8, 2), (64, 64, 4, 2)]}
+
+
+def _hopper_sweep(args, device):
+    """The Hopper TMA kernel (with and without warp specialisation) against the generic kernel's
+    shipped configuration, on the throughput shapes; errors are relative to the generic output."""
+    from ..attention import hopper
+    from ..attention.configs import AttentionConfig
+    rows = []
+    cases = list(itertools.product(_ints(args.head_dims), _ints(args.seqlens), [False, True]))
+    for head_dim, seqlen, causal in args.progress(cases, desc="attention hopper sweep"):
+        heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
+        q, k, v = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device)
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        scale = head_dim ** -0.5
+        generic = flash_attention_science(q, k, v, causal=causal)
+        t = time_gpu(lambda: flash_attention_science(q, k, v, causal=causal), warmup_ms=5, rep_ms=25, repeats=1)
+        rows.append(dict(section="hopper_sweep", head_dim=head_dim, seqlen=seqlen, causal=causal, impl="generic",
+                         ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12))
+        for (bm, bn, warps, stages), ws in itertools.product(HOPPER_CANDIDATES.get(head_dim, []), (False, True)):
+            cfg = AttentionConfig(bm, bn, warps, stages)
+            row = dict(section="hopper_sweep", head_dim=head_dim, seqlen=seqlen, causal=causal,
+                       impl=f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}")
+            try:
+                fn = lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws)  # noqa: E731
+                out, _ = fn()
+                t = time_gpu(fn, warmup_ms=5, rep_ms=25, repeats=1)
+            except Exception as exc:
+                row.update(error=f"{type(exc).__name__}: {exc}"[:200])
+            else:
+                row.update(ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                           rel_err_vs_generic=rel_error(out, generic))
+            rows.append(row)
+    return rows
+
+
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = {"mode": args.mode, "tokens_per_batch": TOKENS, "hidden": HIDDEN}
     if args.sweep:
         return {"name": "attention_sweep", "rows": _sweep(args, device), "meta": meta}
+    if args.sweep_hopper:
+        return {"name": "attention_hopper_sweep", "rows": _hopper_sweep(args, device), "meta": meta}
     if device.type == "cpu":
         # No GPU: the small section only, through Triton's interpreter; timings are CPU timings.
         meta["note"] = "no GPU: Triton CPU interpreter at small size; timings are not GPU figures"
@@ -393,7 +435,7 @@ def summarize(result: dict) -> str:
                          f"{r['ours_gpu_us']:.1f} / {r['sdpa_gpu_us']:.1f}")
     table: dict = {}
     for r in rows:
-        if r.get("section") in ("throughput", "sweep") and r.get("tflops"):
+        if r.get("section") in ("throughput", "sweep", "hopper_sweep") and r.get("tflops"):
             key = (r["head_dim"], r["seqlen"], r["causal"])
             label = r.get("impl") or f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
             table.setdefault(key, {})[label] = r["tflops"]
