@@ -100,6 +100,36 @@ def render_attention(name: str, result: dict) -> str:
     return "".join(parts)
 
 
+def render_moe(name: str, result: dict) -> str:
+    """One line per (shape, T): ours against the grouped-mm path and the per-expert loop."""
+    rows, meta = result["rows"], result["meta"]
+    grid: dict = {}
+    for r in rows:
+        if r.get("ms") is not None:
+            grid.setdefault((r["shape"], r["E"], r["top_k"], r["H"], r["I"], r["T"]), {})[r["impl"]] = r
+    flops_name = "TFLOP/s (18·T·k·H·I)" if "bwd" in name else "TFLOP/s (6·T·k·H·I)"
+    out = [_source_line(name, meta).rstrip("\n"), "",
+           f"Copy bandwidth measured in the same run: {meta.get('copy_tbps', float('nan')):.2f} TB/s. "
+           "Decode rows (T <= 64) also give the bytes of the experts they touch over the time, as a "
+           "fraction of that bandwidth.", "",
+           f"| model (E, k, H, I) | T | ours ms | grouped-mm ms | per-expert loop ms | ours {flops_name} | "
+           "ours / grouped-mm [95% CI] | weight bandwidth | path | rel. error ours / PyTorch |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for (shape, e, k, h, i, t), by in grid.items():
+        ours = by.get("ours", {})
+        speed = ""
+        if ours.get("speedup_vs_gmm") is not None:
+            speed = f"{ours['speedup_vs_gmm']:.2f} [{ours['speedup_lo']:.2f}, {ours['speedup_hi']:.2f}]"
+        frac = ours.get("weight_fraction_of_copy")
+        bandwidth = f"{ours['weight_tbps']:.2f} TB/s ({100 * frac:.0f}%)" if frac is not None else ""
+        err = (f"{ours['rel_error']:.1e} / {ours['torch_rel_error']:.1e}"
+               if ours.get("rel_error") is not None else "")
+        out.append(f"| {shape} ({e}, {k}, {h}, {i}) | {t} | {_fmt(ours.get('ms'), 3)} | "
+                   f"{_fmt(by.get('gmm', {}).get('ms'), 3)} | {_fmt(by.get('naive', {}).get('ms'), 3)} | "
+                   f"{_fmt(ours.get('tflops'))} | {speed} | {bandwidth} | {ours.get('path', '')} | {err} |")
+    return "\n".join(out) + "\n"
+
+
 def render_generic(name: str, result: dict) -> str:
     """A table of every column, for results files without a dedicated renderer."""
     rows = result["rows"]
@@ -119,12 +149,9 @@ def _cell(v):
 def render(name: str, result: dict) -> str:
     if name.startswith("attention_"):
         return render_attention(name, result)
-    try:
-        from . import moe
-    except ImportError:
-        return render_generic(name, result)
-    renderer = getattr(moe, "render", None)
-    return renderer(name, result) if renderer else render_generic(name, result)
+    if name == "moe":
+        return render_moe(name, result)
+    return render_generic(name, result)
 
 
 def update_readme(results_dir, readme_path, *, check: bool = False) -> bool:
