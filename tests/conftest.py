@@ -32,6 +32,16 @@ def device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+@pytest.fixture
+def poisoned_allocations():
+    """Every torch.empty is filled with NaN (deterministic mode fills new memory), so an output
+    element the kernels never write shows."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     """Each test draws fresh random inputs, but reproducibly from its own name."""

@@ -13,7 +13,11 @@ forward's at the same head dim.
 
 `shipped_builds(capability)` enumerates every specialisation `forward_config` and
 `backward_config` can return, so the CPU test compiles each for sm80, sm86, sm89 and sm90 and
-checks it fits.
+checks it fits. The options a call can turn on (causal, softcap, variable lengths; sliding
+windows are runtime arguments) are constexprs that change no tile: each configuration compiles
+plain and with all of them on, which bounds the rest. Compiling every subset of the options for
+every configuration and target once found none asking for more shared memory than all of them
+together, so the other combinations are left out of the check to keep it fast.
 """
 from __future__ import annotations
 
@@ -114,8 +118,7 @@ def shipped_builds(capability: int):
     from ._kernels.forward import attention_forward_kernel
 
     ptr = {2: "*fp16", 4: "*fp32"}
-    # Each config compiles plain, and with every option on (causal, softcap, variable lengths):
-    # the options change no tile, so shared memory is the same.
+    # Each config compiles plain, and with every option on (module docstring).
     variants = ((False, False, False), (True, True, True))
     for element_size, block_d, cfg in forward_configs(capability):
         for causal, softcap, varlen in variants:
@@ -281,11 +284,14 @@ def _backward_builds(capability: int):
         sig = {arg: "i32" for arg in kernel.arg_names}
         sig.update({arg: ptr[element_size] for arg in pointers})
         sig.update({arg: "*fp32" for arg in ("LSE", "DELTA") if arg in sig})
-        sig.update({arg: "fp32" for arg in ("softmax_scale", "scale_log2") if arg in sig})
+        sig.update({arg: "*i32" for arg in ("CU_SEQLENS_Q", "CU_SEQLENS_K") if arg in sig})
+        sig.update({arg: "fp32" for arg in ("softmax_scale", "scale_log2", "softcap_scale", "softcap_log2")
+                    if arg in sig})
         constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, **constexprs)
         sig.update({arg: "constexpr" for arg in constexprs})
         aligned = [a for a in kernel.arg_names if a in pointers or a in ("LSE", "DELTA") or a.startswith("stride_")]
-        return KernelBuild(label=f"{label} fp{8 * element_size} D={block_d}", fn=kernel, signature=sig,
+        options = "".join(f" {name}" for name in ("softcap", "varlen") if constexprs.get(name.upper()))
+        return KernelBuild(label=f"{label} fp{8 * element_size} D={block_d}{options}", fn=kernel, signature=sig,
                            constexprs=constexprs, num_warps=num_warps, num_stages=num_stages,
                            aligned=tuple(aligned))
 
@@ -294,10 +300,14 @@ def _backward_builds(capability: int):
         yield build(backward.attention_backward_preprocess_kernel,
                     f"attention_backward_preprocess BLOCK_M={rows} warps={PREPROCESS_WARPS}", element_size, block_d,
                     ("O", "DO"), dict(BLOCK_M=rows), PREPROCESS_WARPS, 1)
-        yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {cfg.dkdv}", element_size,
-                    block_d, ("Q", "K", "V", "DO", "DK", "DV"),
-                    dict(BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n), cfg.dkdv.num_warps,
-                    cfg.dkdv.num_stages)
-        yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {cfg.dq}", element_size,
-                    block_d, ("Q", "K", "V", "DO", "DQ"), dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n),
-                    cfg.dq.num_warps, cfg.dq.num_stages)
+        # Plain, and with both options on (module docstring): softcap adds a tanh per score and a
+        # factor on dS, variable lengths a few scalar loads.
+        for options in (dict(SOFTCAP=False, VARLEN=False), dict(SOFTCAP=True, VARLEN=True)):
+            yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {cfg.dkdv}", element_size,
+                        block_d, ("Q", "K", "V", "DO", "DK", "DV"),
+                        dict(BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, **options), cfg.dkdv.num_warps,
+                        cfg.dkdv.num_stages)
+            yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {cfg.dq}", element_size,
+                        block_d, ("Q", "K", "V", "DO", "DQ"),
+                        dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, **options), cfg.dq.num_warps,
+                        cfg.dq.num_stages)

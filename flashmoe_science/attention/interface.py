@@ -1,9 +1,10 @@
 """Public attention functions: argument checks, output allocation, dispatch and launch.
 
-The kernels live in `_kernels/`; this module is the contract. A call with the same shapes,
-strides, dtypes and devices as an earlier one skips every check and configuration decision
-(a dictionary lookup on a key of those facts) and launches the cached compiled kernel
-directly, because on small inputs host time decides the speed users feel.
+The kernels live in `_kernels/`; this module is the contract for dense (B, H, S, D) batches, and
+holds the launch path `varlen.py` shares for packed variable-length ones. A call with the same
+shapes, strides, dtypes, devices and options as an earlier one skips every check and
+configuration decision (a dictionary lookup on a key of those facts) and launches the cached
+compiled kernel directly, because on small inputs host time decides the speed users feel.
 
 Calls that need gradients run under a torch.autograd.Function; calls traced by torch.compile
 go through the torch.library custom ops of `ops.py`, which carry fake implementations and the
@@ -12,6 +13,7 @@ same backward.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -24,6 +26,10 @@ from .configs import PREPROCESS_WARPS, backward_config, forward_config, head_dim
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
+NO_WINDOW = (-1, -1)
+# A window bound this wide is unbounded for any sequence the kernels can address; wider ones are
+# clamped to it so that the kernels' int32 band arithmetic (row + bound) cannot overflow.
+_WIDEST_WINDOW = 1 << 30
 
 _FORWARD = KernelLauncher("attention_forward", attention_forward_kernel)
 _BACKWARD_PREPROCESS = KernelLauncher("attention_backward_preprocess", attention_backward_preprocess_kernel)
@@ -32,46 +38,80 @@ _BACKWARD_DQ = KernelLauncher("attention_backward_dq", attention_backward_dq_ker
 _MAX_PLANS = 4096
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _row_strides(t: torch.Tensor, packed: bool) -> tuple:
+    """The (batch, head, row) strides the kernels take: those of a (B, H, S, D) tensor, or for a
+    packed (total, H, D) one batch stride 0 (programs find a sequence by its first row)."""
+    s = t.stride()
+    return (0, s[1], s[0]) if packed else s[:3]
+
+
+def _kernel_window(causal: bool, window_size) -> tuple[int, int]:
+    """(window_left, window_right) as the kernels take them: -1 unbounded, right = 0 when causal."""
+    left, right = (min(w, _WIDEST_WINDOW) for w in window_size)
+    return left, 0 if causal else right
+
+
 class _ForwardPlan:
-    """Everything about a forward call that depends only on its shapes, strides and dtypes."""
+    """Everything about a forward call that depends only on its shapes, strides, dtypes and options.
 
-    __slots__ = ("empty", "contiguous", "config", "head_dim", "block_d", "group", "grid", "num_m_blocks",
-                 "default_scale", "lse_shape", "device_index", "launch_tail")
+    Dense calls: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D). Packed variable-length calls: q
+    (total_q, Hq, D), k and v (total_k, Hkv, D), `batch` sequences of at most `seqlen_q` queries
+    and `seqlen_k` keys; lse is then (Hq, total_q).
+    """
 
-    def __init__(self, q, k, v, config=None):
-        _check_inputs(q, k, v)
-        batch, heads_q, seqlen_q, head_dim = q.shape
-        heads_kv = k.shape[1]
+    __slots__ = ("empty", "contiguous", "config", "grid", "default_scale", "softcap", "packed", "lse_shape",
+                 "device_index", "kernel_options", "launch_tail")
+
+    def __init__(self, q, k, v, batch, seqlen_q, seqlen_k, causal, window_size, softcap, write_lse, packed,
+                 config=None):
+        heads_q, head_dim = q.shape[1], q.shape[-1]
         self.contiguous = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
         self.empty = q.numel() == 0
-        self.head_dim = head_dim
-        self.block_d = head_dim_block(head_dim)
-        self.group = heads_q // heads_kv
         self.default_scale = 1.0 / math.sqrt(head_dim)
-        self.lse_shape = (batch, heads_q, seqlen_q)
+        self.softcap = float(softcap)
+        self.packed = packed
+        self.lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
         self.device_index = q.device.index if q.device.type == "cuda" else None
-        self.config = config or forward_config(info_for(q), q.element_size(), head_dim, seqlen_q, batch * heads_q)
-        self.num_m_blocks = -(-seqlen_q // self.config.block_m)
-        self.grid = (self.num_m_blocks * batch * heads_q, 1, 1)
-        self.launch_tail = None  # the kernel arguments after the pointers and scales, set at first launch
+        cfg = self.config = config or forward_config(info_for(q), q.element_size(), head_dim, seqlen_q,
+                                                     batch * heads_q)
+        num_m_blocks = _cdiv(seqlen_q, cfg.block_m)
+        self.grid = (num_m_blocks * batch * heads_q, 1, 1)
+        lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
+        # The kernel arguments after the tensors' strides; the strides join them at the first
+        # launch, once the output (whose layout follows q's) exists.
+        self.kernel_options = (*lse_strides, heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k, num_m_blocks,
+                               *_kernel_window(causal, window_size), head_dim, head_dim_block(head_dim),
+                               cfg.block_m, cfg.block_n, causal, softcap > 0, packed, write_lse)
+        self.launch_tail = None
 
 
 _PLANS: dict = {}
 
 
-def _plan_key(q, k, v, causal, write_lse):
+def _remember(plans: dict, key, plan) -> None:
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+def _plan_key(q, k, v, causal, window_size, softcap, write_lse):
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, causal, write_lse,
+            q.device, k.device, v.device, causal, window_size, softcap, write_lse,
             q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
 
 
-def _check_inputs(q, k, v) -> None:
+def _check_inputs(q, k, v, packed: bool = False) -> None:
+    """q, k, v of a dense call (4-D), or of a packed variable-length call (3-D)."""
+    ndim, dims = (3, "(total_tokens, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), "
-                             f"got shape {tuple(t.shape)}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
     if not (q.dtype == k.dtype == v.dtype):
@@ -81,11 +121,11 @@ def _check_inputs(q, k, v) -> None:
     check_runnable("q", q)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
+    if not packed and q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q, k and v must have the same head_dim, got q {q.shape[3]} and k/v {k.shape[3]}")
-    head_dim = q.shape[3]
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q, k and v must have the same head_dim, got q {q.shape[-1]} and k/v {k.shape[-1]}")
+    head_dim = q.shape[-1]
     if not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim (last dimension of q, k, v) must be between 16 and 256, got {head_dim}")
     heads_q, heads_kv = q.shape[1], k.shape[1]
@@ -104,6 +144,23 @@ def _check_options(causal, softmax_scale) -> None:
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_band(window_size, softcap) -> tuple[int, int]:
+    """Checks the sliding window and the softcap; returns window_size as a tuple of two ints."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(map(_is_int, window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded, got {tuple(window_size)}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 turns it off), got {softcap}")
+    return int(window_size[0]), int(window_size[1])
+
+
 def _output_like(q: torch.Tensor) -> torch.Tensor:
     """The output takes q's memory layout (so a (B, S, H, D).transpose(1, 2) view stays one)."""
     if q.stride(-1) != 1:
@@ -111,26 +168,9 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_lse: bool, config=None):
-    """Runs the forward kernel: returns (out, lse) with lse None unless `write_lse`.
-
-    `config` forces an AttentionConfig (for tuning sweeps); such calls take Triton's ordinary,
-    uncached launch path.
-    """
-    try:
-        key = None if config is not None else _plan_key(q, k, v, causal, write_lse)
-    except AttributeError:  # not tensors: let the checks say which argument is wrong
-        _check_inputs(q, k, v)
-        raise
-    plan = _PLANS.get(key) if config is None else _ForwardPlan(q, k, v, config)
-    if plan is None:
-        _check_options(causal, softmax_scale)
-        plan = _ForwardPlan(q, k, v)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    elif softmax_scale is not None:
-        _check_options(causal, softmax_scale)
+def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse):
+    """Launches the forward kernel for a plan: returns (out, lse), lse None unless `write_lse`.
+    `key` (None: Triton's ordinary launch path) must determine the plan, as `_plan_key` does."""
     if plan.contiguous:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = _output_like(q)
@@ -138,64 +178,95 @@ def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_
     if plan.empty:
         return out, lse
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
-    cfg = plan.config
+    softcap = plan.softcap
     tail = plan.launch_tail
     if tail is None:
-        # Strides, sizes and constexprs follow from the plan's key, so they are gathered once.
-        _, heads_q, seqlen_q, _ = q.shape
-        sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-        tail = plan.launch_tail = (
-            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
-            heads_q * seqlen_q, seqlen_q,
-            heads_q, plan.group, seqlen_q, k.shape[2], plan.num_m_blocks, -1, 0 if causal else -1,
-            plan.head_dim, plan.block_d, cfg.block_m, cfg.block_n, causal, False, False, write_lse)
-    _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, None, None, scale * _LOG2E, 0.0, 0.0)
-                    + tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
+        packed = plan.packed
+        tail = plan.launch_tail = (*_row_strides(q, packed), *_row_strides(k, packed), *_row_strides(v, packed),
+                                   *_row_strides(out, packed)) + plan.kernel_options
+    cfg = plan.config
+    _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, cu_seqlens_q, cu_seqlens_k,
+                                     scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E) + tail,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     return out, lse
 
 
+def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_lse: bool, config=None,
+                      window_size=NO_WINDOW, softcap: float = 0.0):
+    """Runs the forward kernel on dense inputs: returns (out, lse) with lse None unless `write_lse`.
+
+    `config` forces an AttentionConfig (for tuning sweeps); such calls take Triton's ordinary,
+    uncached launch path, as do calls whose window_size is a list rather than a tuple.
+    """
+    key = plan = None
+    if config is None:
+        try:
+            key = _plan_key(q, k, v, causal, window_size, softcap, write_lse)
+            plan = _PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or an unhashable window_size: the checks say
+            key = None
+    if plan is None:
+        _check_inputs(q, k, v)
+        _check_options(causal, softmax_scale)
+        window_size = check_band(window_size, softcap)
+        plan = _ForwardPlan(q, k, v, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, write_lse,
+                            False, config)
+        if key is not None:
+            _remember(_PLANS, key, plan)
+    elif softmax_scale is not None:
+        _check_options(causal, softmax_scale)
+    return run_forward(plan, key, q, k, v, None, None, softmax_scale, write_lse)
+
+
 class _BackwardPlan:
-    """Everything about a backward call that depends only on its shapes, strides and dtypes."""
+    """Everything about a backward call that depends only on its shapes, strides, dtypes and
+    options; dense or packed as for `_ForwardPlan`."""
 
-    __slots__ = ("empty", "copy_last_dim", "config", "head_dim", "block_d", "group", "default_scale", "diagonal",
-                 "preprocess_block_m", "num_preprocess_blocks", "num_n_blocks", "num_m_blocks",
-                 "preprocess_grid", "dkdv_grid", "dq_grid", "device_index")
+    __slots__ = ("empty", "copy_last_dim", "config", "default_scale", "softcap", "packed", "lse_shape",
+                 "device_index", "preprocess_grid", "dkdv_grid", "dq_grid", "preprocess_options", "dkdv_options",
+                 "dq_options")
 
-    def __init__(self, grad_output, q, k, v, out, lse, causal, config=None):
-        _check_backward_inputs(grad_output, q, k, v, out, lse)
-        batch, heads_q, seqlen_q, head_dim = q.shape
-        heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None):
+        grad_output, q, k, v, out, _ = tensors
+        heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[-1]
         self.copy_last_dim = any(t.stride(-1) != 1 for t in (grad_output, q, k, v, out))
         self.empty = q.numel() == 0 or k.numel() == 0
-        self.head_dim = head_dim
-        self.block_d = head_dim_block(head_dim)
-        self.group = heads_q // heads_kv
         self.default_scale = 1.0 / math.sqrt(head_dim)
-        # Query i sees key j when j <= i + diagonal; Sk admits every key, so non-causal calls
-        # run the same kernels with nothing masked but the tails.
-        self.diagonal = seqlen_k - seqlen_q if causal else seqlen_k
+        self.softcap = float(softcap)
+        self.packed = packed
+        self.lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
         self.device_index = q.device.index if q.device.type == "cuda" else None
         cfg = self.config = config or backward_config(info_for(q), q.element_size(), head_dim)
-        self.preprocess_block_m = preprocess_block_m(self.block_d)
-        self.num_preprocess_blocks = -(-seqlen_q // self.preprocess_block_m)
-        self.num_n_blocks = -(-seqlen_k // cfg.dkdv.block_n)
-        self.num_m_blocks = -(-seqlen_q // cfg.dq.block_m)
-        self.preprocess_grid = (self.num_preprocess_blocks * batch * heads_q, 1, 1)
-        self.dkdv_grid = (self.num_n_blocks * batch * heads_kv, 1, 1)
-        self.dq_grid = (self.num_m_blocks * batch * heads_q, 1, 1)
+        block_d = head_dim_block(head_dim)
+        # delta = rowsum(dO * O) needs no sequence structure: packed tokens run as one batch entry.
+        rows_batch, rows = (1, q.shape[0]) if packed else (batch, seqlen_q)
+        rows_block = preprocess_block_m(block_d)
+        num_row_blocks = _cdiv(rows, rows_block)
+        self.preprocess_grid = (num_row_blocks * rows_batch * heads_q, 1, 1)
+        self.preprocess_options = (heads_q, rows, num_row_blocks, head_dim, block_d, rows_block)
+        num_n_blocks = _cdiv(seqlen_k, cfg.dkdv.block_n)
+        num_m_blocks = _cdiv(seqlen_q, cfg.dq.block_m)
+        self.dkdv_grid = (num_n_blocks * batch * heads_kv, 1, 1)
+        self.dq_grid = (num_m_blocks * batch * heads_q, 1, 1)
+        lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
+        window = _kernel_window(causal, window_size)
+        group = heads_q // heads_kv
+        self.dkdv_options = (*lse_strides, heads_kv, group, seqlen_q, seqlen_k, num_n_blocks, *window, head_dim,
+                             block_d, cfg.dkdv.block_m, cfg.dkdv.block_n, softcap > 0, packed)
+        self.dq_options = (*lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window, head_dim,
+                           block_d, cfg.dq.block_m, cfg.dq.block_n, softcap > 0, packed)
 
 
 _BACKWARD_PLANS: dict = {}
 
 
-def _backward_key(grad_output, q, k, v, out, lse, causal):
-    tensors = (grad_output, q, k, v, out, lse)
+def _backward_key(tensors, *options):
     return (tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors), tuple(t.dtype for t in tensors),
-            tuple(t.device for t in tensors), tuple(t.data_ptr() % 16 for t in tensors), causal)
+            tuple(t.device for t in tensors), tuple(t.data_ptr() % 16 for t in tensors), options)
 
 
-def _check_backward_inputs(grad_output, q, k, v, out, lse) -> None:
-    _check_inputs(q, k, v)
+def check_backward_tensors(grad_output, q, out, lse, lse_shape, lse_description) -> None:
+    """grad_output and output like q; lse float32 of `lse_shape`."""
     for name, t in (("grad_output", grad_output), ("output", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -207,11 +278,11 @@ def _check_backward_inputs(grad_output, q, k, v, out, lse) -> None:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}")
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"softmax_lse must be a torch.Tensor, got {type(lse).__name__}")
-    if lse.shape != q.shape[:3]:
-        raise ValueError(f"softmax_lse must have shape (batch, heads_q, seqlen_q) = {tuple(q.shape[:3])}, "
+    if lse.shape != lse_shape:
+        raise ValueError(f"softmax_lse must have shape {lse_description} = {tuple(lse_shape)}, "
                          f"got {tuple(lse.shape)}")
     if lse.dtype != torch.float32:
-        raise TypeError(f"softmax_lse must be float32 (as flash_attention_forward returns it), got {lse.dtype}")
+        raise TypeError(f"softmax_lse must be float32 (as the forward returns it), got {lse.dtype}")
     if lse.device != q.device:
         raise ValueError(f"softmax_lse must be on the device of q ({q.device}), got {lse.device}")
 
@@ -221,83 +292,98 @@ def _check_deterministic(deterministic) -> None:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
 
 
-def attention_backward(grad_output, q, k, v, out, lse, causal: bool, softmax_scale: float | None,
-                       grad_lse=None, config=None):
-    """Runs the backward kernels: returns (dq, dk, dv) with the layouts of q, k and v.
+def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                 softmax_scale, grad_lse):
+    """Launches the backward kernels for a plan: returns (dq, dk, dv) with the layouts of q, k, v.
 
     `grad_lse`, the gradient of lse when a caller differentiated it too, enters through delta:
-    d lse_i / d s_ij = p_ij, so it adds p * grad_lse to dS. `config` forces a BackwardConfig
-    (for tuning sweeps); such calls take Triton's ordinary, uncached launch path.
+    d lse_i / d s_ij = p_ij, so it adds p * grad_lse to dS.
     """
-    try:
-        key = None if config is not None else _backward_key(grad_output, q, k, v, out, lse, causal)
-    except AttributeError:  # not tensors: let the checks say which argument is wrong
-        _check_backward_inputs(grad_output, q, k, v, out, lse)
-        raise
-    plan = _BACKWARD_PLANS.get(key) if config is None else None
-    if plan is None:
-        _check_options(causal, softmax_scale)
-        plan = _BackwardPlan(grad_output, q, k, v, out, lse, causal, config)
-        if config is None:
-            if len(_BACKWARD_PLANS) >= _MAX_PLANS:
-                _BACKWARD_PLANS.clear()
-            _BACKWARD_PLANS[key] = plan
-    elif softmax_scale is not None:
-        _check_options(causal, softmax_scale)
     if plan.copy_last_dim:
         grad_output, q, k, v, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_output, q, k, v, out))
     dq, dk, dv = _output_like(q), _output_like(k), _output_like(v)
     if plan.empty:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
-    batch, heads_q, seqlen_q, _ = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    so, sdo = out.stride(), grad_output.stride()
-    _BACKWARD_PREPROCESS.launch(
-        key, plan.preprocess_grid,
-        (out, grad_output, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], heads_q, seqlen_q,
-         plan.num_preprocess_blocks, plan.head_dim, plan.block_d, plan.preprocess_block_m),
-        num_warps=PREPROCESS_WARPS, num_stages=1, device_index=plan.device_index)
+    delta = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    packed = plan.packed
+    so, sdo = _row_strides(out, packed), _row_strides(grad_output, packed)
+    _BACKWARD_PREPROCESS.launch(key, plan.preprocess_grid,
+                                (out, grad_output, delta, *so, *sdo) + plan.preprocess_options,
+                                num_warps=PREPROCESS_WARPS, num_stages=1, device_index=plan.device_index)
     if grad_lse is not None:
         delta.sub_(grad_lse)
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
+    softcap = plan.softcap
+    scales = (scale, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E)
+    sq, sk, sv, sdq, sdk, sdv = (_row_strides(t, packed) for t in (q, k, v, dq, dk, dv))
     cfg = plan.config
-    sq, sk, sv, sdq, sdk, sdv = q.stride(), k.stride(), v.stride(), dq.stride(), dk.stride(), dv.stride()
     _BACKWARD_DKDV.launch(
         key, plan.dkdv_grid,
-        (q, k, v, grad_output, lse, delta, dk, dv, scale, scale * _LOG2E,
-         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
-         sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
-         heads_kv, plan.group, seqlen_q, seqlen_k, plan.diagonal, plan.num_n_blocks,
-         plan.head_dim, plan.block_d, cfg.dkdv.block_m, cfg.dkdv.block_n),
+        (q, k, v, grad_output, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *scales,
+         *sq, *sk, *sv, *sdo, *sdk, *sdv) + plan.dkdv_options,
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, device_index=plan.device_index)
     _BACKWARD_DQ.launch(
         key, plan.dq_grid,
-        (q, k, v, grad_output, lse, delta, dq, scale, scale * _LOG2E,
-         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
-         sdq[0], sdq[1], sdq[2],
-         heads_q, plan.group, seqlen_q, seqlen_k, plan.diagonal, plan.num_m_blocks,
-         plan.head_dim, plan.block_d, cfg.dq.block_m, cfg.dq.block_n),
+        (q, k, v, grad_output, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *scales,
+         *sq, *sk, *sv, *sdo, *sdq) + plan.dq_options,
         num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, device_index=plan.device_index)
     return dq, dk, dv
 
 
-def save_for_backward(ctx, q, k, v, out, lse, causal, softmax_scale) -> None:
-    """What the backward needs, saved on an autograd context (shared with the custom ops)."""
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal = causal
-    ctx.softmax_scale = softmax_scale
+def attention_backward(grad_output, q, k, v, out, lse, causal: bool, softmax_scale: float | None,
+                       window_size=NO_WINDOW, softcap: float = 0.0, grad_lse=None, config=None):
+    """Runs the backward kernels on dense inputs: returns (dq, dk, dv) with the layouts of q, k, v.
+
+    `grad_lse` is lse's own gradient (see `run_backward`). `config` forces a BackwardConfig (for
+    tuning sweeps); such calls take Triton's ordinary, uncached launch path.
+    """
+    tensors = (grad_output, q, k, v, out, lse)
+    key = plan = None
+    if config is None:
+        try:
+            key = _backward_key(tensors, causal, window_size, softcap)
+            plan = _BACKWARD_PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or an unhashable window_size: the checks say
+            key = None
+    if plan is None:
+        _check_inputs(q, k, v)
+        check_backward_tensors(grad_output, q, out, lse, q.shape[:3], "(batch, heads_q, seqlen_q)")
+        _check_options(causal, softmax_scale)
+        window_size = check_band(window_size, softcap)
+        plan = _BackwardPlan(tensors, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, False,
+                             config)
+        if key is not None:
+            _remember(_BACKWARD_PLANS, key, plan)
+    elif softmax_scale is not None:
+        _check_options(causal, softmax_scale)
+    return run_backward(plan, key, grad_output, q, k, v, out, lse, None, None, softmax_scale, grad_lse)
+
+
+def save_for_backward(ctx, tensors, options) -> None:
+    """What the backward needs, saved on an autograd context (shared with the custom ops): the
+    tensors (q, k, v, out, lse, then any more the backward takes) and the call's other
+    arguments, in the order the backward takes them after the tensors."""
+    ctx.save_for_backward(*tensors)
+    ctx.options = options
     # An output the loss does not use gets None instead of a tensor of zeros.
     ctx.set_materialize_grads(False)
 
 
 def gradients_from_context(ctx, grad_out, grad_lse, backward):
-    """(dq, dk, dv) from a context `save_for_backward` filled; `backward` runs the kernels."""
-    q, k, v, out, lse = ctx.saved_tensors
+    """(dq, dk, dv) from a context `save_for_backward` filled: runs
+    `backward(grad_out, *tensors, *options, grad_lse)`."""
+    tensors = ctx.saved_tensors
     if grad_out is None:  # only lse was used
-        grad_out = torch.zeros_like(out)
-    return backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, grad_lse)
+        grad_out = torch.zeros_like(tensors[3])
+    return backward(grad_out, *tensors, *ctx.options, grad_lse)
+
+
+def refuse_double_backward(name: str) -> None:
+    """The kernels' gradients have no graph of their own: a gradient penalty would silently
+    drop dq's own dependence on q, k and v."""
+    if torch.is_grad_enabled():  # create_graph=True
+        raise RuntimeError(f"{name} has no second derivative; backward with create_graph=True is not supported")
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -305,35 +391,34 @@ class _AttentionFunction(torch.autograd.Function):
     about double the host time of a small training call); torch.compile uses the ops instead."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
-        out, lse = attention_forward(q, k, v, causal, softmax_scale, True)
-        save_for_backward(ctx, q, k, v, out, lse, causal, softmax_scale)
+    def forward(ctx, q, k, v, causal, softmax_scale, window_size, softcap):
+        out, lse = attention_forward(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
+        save_for_backward(ctx, (q, k, v, out, lse), (causal, softmax_scale, window_size, softcap))
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        if torch.is_grad_enabled():  # create_graph=True: the kernels' gradients have no graph of their own
-            raise RuntimeError("flash_attention_science has no second derivative; "
-                               "backward with create_graph=True is not supported")
-        return (*gradients_from_context(ctx, grad_out, grad_lse, attention_backward), None, None)
+        refuse_double_backward("flash_attention_science")
+        return (*gradients_from_context(ctx, grad_out, grad_lse, attention_backward), None, None, None, None)
 
 
-def flash_attention_forward(q, k, v, causal=False, softmax_scale=None):
+def flash_attention_forward(q, k, v, causal=False, softmax_scale=None, *, window_size=NO_WINDOW, softcap=0.0):
     """Fused attention forward; returns (out, lse). See `flash_attention_science` for the contract.
 
     lse: (B, Hq, Sq) float32, the natural-log sum of exponentials of each query row's scaled
     scores (-inf for rows that see no key); the backward pass takes it.
     """
-    return attention_forward(q, k, v, causal, softmax_scale, True)
+    return attention_forward(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
 
 
 def flash_attention_backward(grad_output, q, k, v, output, softmax_lse, causal=False, softmax_scale=None, *,
-                             deterministic=False):
+                             window_size=NO_WINDOW, softcap=0.0, deterministic=False):
     """Gradients of fused attention; returns (dq, dk, dv).
 
     Args:
         grad_output: (B, Hq, Sq, D) gradient of the attention output, the dtype of q; any strides.
-        q, k, v, causal, softmax_scale: the forward call's arguments (see `flash_attention_science`).
+        q, k, v, causal, softmax_scale, window_size, softcap: the forward call's arguments (see
+            `flash_attention_science`).
         output: (B, Hq, Sq, D) the forward's output.
         softmax_lse: (B, Hq, Sq) float32, the lse `flash_attention_forward` returned.
         deterministic: accepted for compatibility with flash-attn. Gradients are always bitwise
@@ -345,10 +430,11 @@ def flash_attention_backward(grad_output, q, k, v, output, softmax_lse, causal=F
     inputs use tf32 matrix products on the GPU. Memory beyond the outputs is O(B * Hq * Sq).
     """
     _check_deterministic(deterministic)
-    return attention_backward(grad_output, q, k, v, output, softmax_lse, causal, softmax_scale)
+    return attention_backward(grad_output, q, k, v, output, softmax_lse, causal, softmax_scale, window_size, softcap)
 
 
-def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, return_lse=False, deterministic=False):
+def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window_size=NO_WINDOW, softcap=0.0,
+                            return_lse=False, deterministic=False):
     """Fused scaled-dot-product attention, differentiable in q, k and v.
 
     Args:
@@ -360,6 +446,12 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, return
             This differs from `scaled_dot_product_attention(is_causal=True)` when Sq != Sk (SDPA
             aligns top-left). Query rows that see no key return 0 (and lse -inf), never NaN.
         softmax_scale: multiplies q.k^T before the softmax; default 1/sqrt(D).
+        window_size: (left, right) sliding window, as in flash-attn: with c = i + Sk - Sq (the
+            same bottom-right alignment), query i sees keys c - left <= j <= c + right; -1 leaves
+            a side unbounded, and causal=True sets right = 0 whatever is passed. Key blocks
+            outside the window are skipped, so the cost grows with the window, not with Sk.
+        softcap: when > 0, scores s (after softmax_scale) become softcap * tanh(s / softcap)
+            before the softmax (Gemma-2, Grok), forward and backward. 0 turns it off.
         return_lse: also return lse (B, Hq, Sq) float32, natural log. It is differentiable too.
         deterministic: accepted for compatibility with flash-attn. The backward is always bitwise
             reproducible (no atomic adds: dQ has its own kernel), so True costs nothing.
@@ -384,9 +476,11 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, return
         differentiable = False
     if torch.compiler.is_compiling():
         _check_options(causal, softmax_scale)
-        out, lse = torch.ops.flashmoe_science.attention_forward(q, k, v, causal, softmax_scale)
+        window_left, window_right = check_band(window_size, softcap)
+        out, lse = torch.ops.flashmoe_science.attention_forward(q, k, v, causal, softmax_scale, window_left,
+                                                                window_right, float(softcap))
     elif differentiable:
-        out, lse = _AttentionFunction.apply(q, k, v, causal, softmax_scale)
+        out, lse = _AttentionFunction.apply(q, k, v, causal, softmax_scale, window_size, softcap)
     else:
-        out, lse = attention_forward(q, k, v, causal, softmax_scale, return_lse)
+        out, lse = attention_forward(q, k, v, causal, softmax_scale, return_lse, None, window_size, softcap)
     return (out, lse) if return_lse else out

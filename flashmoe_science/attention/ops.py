@@ -2,9 +2,11 @@
 
 `flashmoe_science::attention_forward` returns (out, lse) and carries its backward
 (`register_autograd`, with the eager path's context helpers); `flashmoe_science::attention_backward`
-returns (dq, dk, dv). Both have fake implementations that allocate outputs with exactly the real
-ones' shapes, dtypes and strides, so torch.compile traces a model using `flash_attention_science`
-without a graph break and without running a kernel, forward and backward.
+returns (dq, dk, dv). `attention_varlen_forward` and `attention_varlen_backward` are the same for
+packed variable-length batches. All have fake implementations that allocate outputs with exactly
+the real ones' shapes, dtypes and strides, so torch.compile traces a model using
+`flash_attention_science` or `flash_attention_varlen` without a graph break and without running a
+kernel, forward and backward. The sliding window travels as two ints (left, right).
 
 lse is a differentiable output: its gradient enters the backward through delta (the derivative
 of lse_i with respect to score s_ij is p_ij), so a loss may use it.
@@ -14,45 +16,100 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import interface
+from . import interface, varlen
 
 
-@torch.library.custom_op("flashmoe_science::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                      softmax_scale: Optional[float]) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of `flash_attention_forward`."""
-    return interface.attention_forward(q, k, v, causal, softmax_scale, True)
-
-
-@attention_forward.register_fake
-def _attention_forward_fake(q, k, v, causal, softmax_scale):
+def _output_fake(q, k, v):
     # The real forward copies all of q, k, v when one has a non-unit stride in D, and the
     # output takes the layout of the q it ran on.
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q = q.contiguous()
-    return interface._output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return interface._output_like(q)
+
+
+def _gradients_fake(q, k, v):
+    return interface._output_like(q), interface._output_like(k), interface._output_like(v)
+
+
+@torch.library.custom_op("flashmoe_science::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
+                      window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of `flash_attention_forward`."""
+    return interface.attention_forward(q, k, v, causal, softmax_scale, True, None, (window_left, window_right),
+                                       softcap)
+
+
+@attention_forward.register_fake
+def _attention_forward_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
+    return _output_fake(q, k, v), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashmoe_science::attention_backward", mutates_args=())
 def attention_backward(grad_output: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                       softmax_scale: Optional[float], grad_lse: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                       softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
+                       grad_lse: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of `flash_attention_backward`, with lse's own gradient `grad_lse` if any."""
-    return interface.attention_backward(grad_output, q, k, v, out, lse, causal, softmax_scale, grad_lse)
+    return interface.attention_backward(grad_output, q, k, v, out, lse, causal, softmax_scale,
+                                        (window_left, window_right), softcap, grad_lse)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_output, q, k, v, out, lse, causal, softmax_scale, grad_lse):
-    return interface._output_like(q), interface._output_like(k), interface._output_like(v)
+def _attention_backward_fake(grad_output, q, k, v, out, lse, causal, softmax_scale, window_left, window_right,
+                             softcap, grad_lse):
+    return _gradients_fake(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale = inputs
-    out, lse = output
-    interface.save_for_backward(ctx, q, k, v, out, lse, causal, softmax_scale)
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap = inputs
+    interface.save_for_backward(ctx, (q, k, v, *output), (causal, softmax_scale, window_left, window_right, softcap))
 
 
 def _backward(ctx, grad_out, grad_lse):
-    return (*interface.gradients_from_context(ctx, grad_out, grad_lse, attention_backward), None, None)
+    return (*interface.gradients_from_context(ctx, grad_out, grad_lse, attention_backward), *(None,) * 5)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flashmoe_science::attention_varlen_forward", mutates_args=())
+def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
+                             window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of `flash_attention_varlen(..., return_lse=True)`."""
+    return varlen.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                 softmax_scale, True, (window_left, window_right), softcap)
+
+
+@attention_varlen_forward.register_fake
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   softmax_scale, window_left, window_right, softcap):
+    return _output_fake(q, k, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashmoe_science::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(grad_output: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
+                              softcap: float, grad_lse: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of a packed batch, with lse's own gradient `grad_lse` if any."""
+    return varlen.varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, causal, softmax_scale, (window_left, window_right), softcap, grad_lse)
+
+
+@attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+                                    grad_lse):
+    return _gradients_fake(q, k, v)
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
+    interface.save_for_backward(ctx, (q, k, v, *output, cu_seqlens_q, cu_seqlens_k), tuple(options))
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    return (*interface.gradients_from_context(ctx, grad_out, grad_lse, attention_varlen_backward), *(None,) * 9)
+
+
+attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)

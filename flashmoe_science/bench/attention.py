@@ -9,18 +9,29 @@ Sections (rows carry a "section" column):
 - memory (modes with a backward): peak memory of forward+backward, ours against SDPA's math backend.
 - train: forward+backward of a small transformer block on our attention against SDPA's default.
 - sweep (with --sweep): every candidate forward configuration on the throughput shapes.
+- varlen (only when listed in --sections): a packed batch of about 16k tokens whose lengths are
+  drawn uniformly from 64 to 2048 (fixed seed), D = 128, Hq*D = 2048, bf16, causal and not: ours
+  against SDPA on the zero-padded batch with a key-padding mask and against compiled
+  FlexAttention with a document mask. TFLOP/s count the real (unpadded) pairs only.
+- window (only when listed in --sections): causal sliding windows of 256, 1024 and 4096 at
+  S = 16384: ours against our own full causal attention and FlexAttention's sliding-window mask.
+Sections varlen and window time the --mode given; run alone, they write
+attention_<sections>_<mode> (such as attention_varlen_window_fwd_bwd). Without a GPU they run
+through the interpreter at a tiny size, without FlexAttention.
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..attention import attention_reference, flash_attention_science
+from ..attention import attention_reference, flash_attention_science, flash_attention_varlen
 from ..device import interpreter_active
-from .common import (attention_flops, max_abs_error, rel_error, speedup_interval, time_gpu, time_wall)
+from .common import (attention_flops, attention_pairs, max_abs_error, rel_error, speedup_interval, time_gpu,
+                     time_wall)
 
 SMALL_SHAPES = [(1, 1, 32, 64), (1, 1, 64, 64), (1, 1, 128, 64), (1, 1, 256, 64), (1, 1, 512, 64), (2, 4, 128, 64)]
 TOKENS = 16384
@@ -32,7 +43,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode", choices=["fwd", "bwd", "fwd+bwd"], default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
     parser.add_argument("--sections", default=None,
-                        help="comma list of overhead,small,throughput,memory,train (default: all that apply)")
+                        help="comma list of overhead,small,throughput,memory,train,varlen,window (default: "
+                             "overhead,small,throughput for fwd, throughput,memory,train otherwise)")
     parser.add_argument("--head-dims", default="64,128,256", help="throughput head dims")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="throughput sequence lengths")
     parser.add_argument("--flex-head-dims", default="128",
@@ -142,18 +154,26 @@ def _overhead(args, device):
     return rows
 
 
-def _flex_impl(seqlen, causal, device):
+def _flex_with_mask(mask_mod, seqlen_q, seqlen_k, device):
+    """Compiled FlexAttention (static shapes) with the block mask of `mask_mod` (None: no mask)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    # Every benchmark shape compiles its own kernel: lift dynamo's recompile limit so none falls
-    # back to the unfused eager path.
+    # Every benchmark shape and mask compiles its own kernel: lift dynamo's recompile limit so none
+    # falls back to the unfused eager path.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = None
-    if causal:
-        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen,
-                                       device=device)
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, None, None, seqlen_q, seqlen_k, device=device)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def _flex_impl(seqlen, causal, device):
+    return _flex_with_mask(_causal_mask if causal else None, seqlen, seqlen, device)
+
+
+def _causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
 
 
 def _reference_errors(impls, seqlen, head_dim, causal, mode, device):
@@ -303,6 +323,219 @@ def _train(args, device):
             for name, t in timings.items()]
 
 
+@dataclass(frozen=True)
+class Workload:
+    """The problem sizes of the varlen and window sections."""
+
+    tokens: int  # varlen: sequences are drawn until the next would pass this many tokens
+    lengths: tuple  # varlen: lengths drawn uniformly from this inclusive range
+    seqlen: int  # window: the sequence length
+    windows: tuple  # window: left window sizes (causal), each compared with full causal attention
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+GPU_WORKLOAD = Workload(TOKENS, (64, 2048), 16384, (256, 1024, 4096), HIDDEN // 128, 128, torch.bfloat16)
+# Through the interpreter (bf16 products are wrong there): small enough for seconds, large enough
+# for several blocks per sequence.
+INTERPRETER_WORKLOAD = Workload(160, (8, 48), 128, (8, 32), 2, 32, torch.float32)
+
+
+def varlen_lengths(tokens, lengths, seed=0) -> list[int]:
+    """Sequence lengths drawn uniformly from the inclusive range `lengths` with a fixed seed,
+    until the next one would make the batch longer than `tokens`."""
+    generator = torch.Generator().manual_seed(seed)
+    drawn = []
+    while True:
+        n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=generator))
+        if sum(drawn) + n > tokens:
+            return drawn
+        drawn.append(n)
+
+
+@dataclass
+class _Layout:
+    """How one implementation holds a packed (total, H, D) tensor, and where sequence `index`
+    (rows start:end of the packed tensor) lies in an output or gradient of that layout."""
+
+    to_layout: object  # packed (total, H, D) -> the implementation's tensor
+    sequence: object  # (tensor in the layout) -> (length, H, D) of the measured sequence
+
+
+def _packed_layouts(lengths, index, device):
+    """Layouts of the varlen section: packed (ours), zero-padded (B, H, L, D) views of (B, L, H, D)
+    memory (SDPA), and the packed tokens as one (1, H, total, D) sequence (FlexAttention); with
+    the sequence each token belongs to."""
+    starts = [0, *itertools.accumulate(lengths)]
+    start, end, longest = starts[index], starts[index + 1], max(lengths)
+    sequence_of = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                          torch.tensor(lengths, device=device))
+    position = torch.arange(starts[-1], device=device) - torch.tensor(starts[:-1], device=device)[sequence_of]
+
+    def pad(packed):
+        padded = packed.new_zeros(len(lengths), longest, *packed.shape[1:])
+        padded[sequence_of, position] = packed
+        return padded.transpose(1, 2)
+
+    return sequence_of, {
+        "ours": _Layout(lambda x: x, lambda x: x[start:end]),
+        "sdpa_padded": _Layout(pad, lambda x: x[index, :, :end - start].transpose(0, 1)),
+        "flex_document": _Layout(lambda x: x.view(1, *x.shape).transpose(1, 2),
+                                 lambda x: x[0, :, start:end].transpose(0, 1)),
+    }
+
+
+def _varlen(args, device, work: Workload):
+    """Packed variable-length batch: ours against SDPA on the padded batch and FlexAttention with
+    a document mask, timed in args.mode; error on the longest sequence against float64."""
+    lengths = varlen_lengths(work.tokens, work.lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    index = lengths.index(max(lengths))
+    sequence_of, layouts = _packed_layouts(lengths, index, device)
+    longest, total, heads, head_dim = max(lengths), sum(lengths), work.heads, work.head_dim
+    packed = [torch.randn(total, heads, head_dim, dtype=work.dtype, device=device) for _ in range(3)]
+    grad = torch.randn_like(packed[0])
+    key_valid = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    for causal in args.progress([False, True], desc=f"attention varlen {args.mode}"):
+        # SDPA: queries of every padded row see their sequence's keys (padding rows too, so that no
+        # row is fully masked); with causal also only keys up to their own position.
+        mask = key_valid[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+        impls = {
+            "ours": lambda q, k, v, causal=causal: flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal),
+            "sdpa_padded": lambda q, k, v, mask=mask: sdpa(q, k, v, attn_mask=mask),
+        }
+        if device.type == "cuda":
+            def document(b, h, q_idx, kv_idx, causal=causal):
+                same = sequence_of[q_idx] == sequence_of[kv_idx]
+                return same & (q_idx >= kv_idx) if causal else same
+
+            try:
+                impls["flex_document"] = _flex_with_mask(document, total, total, device)
+            except Exception as exc:  # FlexAttention missing or failing: reported, not fatal
+                rows.append(dict(section="varlen", mode=args.mode, impl="flex_document", causal=causal,
+                                 error=f"{type(exc).__name__}: {exc}"[:200]))
+        flops = sum(attention_flops(1, heads, n, n, head_dim, causal, args.mode) for n in lengths)
+        errors = _sequence_errors(impls, layouts, packed, grad, index, causal, args.mode)
+        timings = _time_impls(args, impls, {name: [layouts[name].to_layout(t).detach().requires_grad_(
+            args.mode != "fwd") for t in packed] for name in impls})
+        for name, t in timings.items():
+            row = dict(section="varlen", mode=args.mode, impl=name, sequences=len(lengths), tokens=total,
+                       padded_tokens=len(lengths) * longest, max_seqlen=longest, heads=heads, head_dim=head_dim,
+                       causal=causal, dtype=str(work.dtype).replace("torch.", ""), rel_err=errors.get(name))
+            if isinstance(t, str):
+                row.update(error=t)
+            else:
+                row.update(ms=t.median_ms, ms_ci=[t.lo_ms, t.hi_ms], tflops=flops / (t.median_ms * 1e-3) / 1e12)
+                if name != "ours" and not isinstance(timings.get("ours"), str):
+                    ratio, lo, hi = speedup_interval(timings["ours"], t)
+                    row.update(ours_speedup=ratio, ours_speedup_ci=[lo, hi])
+            rows.append(row)
+    return rows
+
+
+def _time_impls(args, impls, inputs) -> dict:
+    """GPU time of each implementation in args.mode on its own inputs (an error string if it fails)."""
+    timings = {}
+    for name, fn in impls.items():
+        try:
+            timings[name] = time_gpu(_timed_call(fn, inputs[name], args.mode), warmup_ms=args.warmup, rep_ms=args.rep,
+                                     repeats=args.repeats)
+        except Exception as exc:  # an implementation that rejects the problem is reported, not fatal
+            timings[name] = f"{type(exc).__name__}: {exc}"[:200]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return timings
+
+
+def _sequence_errors(impls, layouts, packed, grad, index, causal, mode) -> dict:
+    """Relative error against float64 on one sequence of the batch: of the output for fwd, the
+    worst of out, dq, dk and dv otherwise (the sequences are independent, so the batch's
+    gradients restricted to that sequence are that sequence's own)."""
+    ours = layouts["ours"]
+    ref_inputs = [ours.sequence(t).transpose(0, 1)[None].detach().double().requires_grad_(mode != "fwd")
+                  for t in packed]
+    ref, _ = attention_reference(*ref_inputs, causal=causal)
+    expected = [ref[0].transpose(0, 1)]
+    if mode != "fwd":
+        ref_grads = torch.autograd.grad(ref, ref_inputs, ours.sequence(grad).transpose(0, 1)[None].double())
+        expected += [g[0].transpose(0, 1) for g in ref_grads]
+    errors = {}
+    for name, fn in impls.items():
+        layout = layouts[name]
+        inputs = [layout.to_layout(t).detach().requires_grad_(mode != "fwd") for t in packed]
+        try:
+            out = fn(*inputs)
+            results = [out]
+            if mode != "fwd":
+                results += torch.autograd.grad(out, inputs, layout.to_layout(grad))
+        except Exception as exc:  # reported in the row, as the timing's failure is
+            errors[name] = type(exc).__name__
+            continue
+        errors[name] = max(rel_error(layout.sequence(r), e) for r, e in zip(results, expected))
+    return errors
+
+
+def _window(args, device, work: Workload):
+    """Causal sliding windows against full causal attention (ours) and FlexAttention's
+    sliding-window mask, one sequence of work.seqlen, timed in args.mode."""
+    seqlen, heads, head_dim = work.seqlen, work.heads, work.head_dim
+    inputs = _inputs(1, heads, seqlen, head_dim, work.dtype, device, requires_grad=args.mode != "fwd")
+    # The last rows of one head against float64 (all of it would be an S x S float64 matrix).
+    tail = min(seqlen, 2048)
+    q_ref, k_ref, v_ref = (t.detach()[:, :1].double() for t in inputs)
+    q_ref = q_ref[:, :, seqlen - tail:]
+    flex_window = torch.tensor(0, device=device)  # read by the mask at run time: one compiled kernel for all windows
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= flex_window)
+
+    pairs_full = attention_pairs(seqlen, seqlen, True)
+    rows, full = [], None
+    for window in args.progress([None, *work.windows], desc=f"attention window {args.mode}"):
+        window_size = (-1, -1) if window is None else (window, -1)
+        impls = {"ours": lambda q, k, v, window_size=window_size: flash_attention_science(
+            q, k, v, causal=True, window_size=window_size)}
+        if device.type == "cuda":
+            flex_window.fill_(seqlen if window is None else window)
+            try:
+                impls["flex"] = _flex_with_mask(sliding, seqlen, seqlen, device)
+            except Exception as exc:  # FlexAttention missing or failing: reported, not fatal
+                rows.append(dict(section="window", mode=args.mode, impl="flex", window=window,
+                                 error=f"{type(exc).__name__}: {exc}"[:200]))
+        ref, _ = attention_reference(q_ref, k_ref, v_ref, causal=True, window_size=window_size)
+        pairs = attention_pairs(seqlen, seqlen, True, window_size)
+        flops = attention_flops(1, heads, seqlen, seqlen, head_dim, True, args.mode, window_size)
+        timings = _time_impls(args, impls, {name: inputs for name in impls})
+        full = timings["ours"] if window is None else full
+        for name, t in timings.items():
+            row = dict(section="window", mode=args.mode, impl=name, seqlen=seqlen, heads=heads, head_dim=head_dim,
+                       causal=True, window=window, dtype=str(work.dtype).replace("torch.", ""),
+                       work_vs_full=pairs / pairs_full)
+            if isinstance(t, str):
+                rows.append({**row, "error": t})
+                continue
+            with torch.no_grad():
+                out = impls[name](*inputs)
+            row.update(ms=t.median_ms, ms_ci=[t.lo_ms, t.hi_ms], tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                       rel_err=rel_error(out[:, :1, seqlen - tail:], ref))
+            if name == "ours" and window is not None and not isinstance(full, str):
+                ratio, lo, hi = speedup_interval(t, full)
+                row.update(speedup_vs_full=ratio, speedup_vs_full_ci=[lo, hi])
+            if name != "ours" and not isinstance(timings["ours"], str):
+                ratio, lo, hi = speedup_interval(timings["ours"], t)
+                row.update(ours_speedup=ratio, ours_speedup_ci=[lo, hi])
+            rows.append(row)
+    return rows
+
+
+WORKLOAD_SECTIONS = {"varlen": _varlen, "window": _window}
+
+
 def forward_candidates(element_size, block_d):
     """Forward configurations worth timing on Hopper for a head dim (shared memory permitting)."""
     from ..attention.configs import AttentionConfig
@@ -379,17 +612,28 @@ def run(args) -> dict:
         return {"name": "attention_sweep", "rows": _sweep(args, device), "meta": meta}
     if args.sweep_hopper:
         return {"name": "attention_hopper_sweep", "rows": _hopper_sweep(args, device), "meta": meta}
-    if device.type == "cpu":
-        # No GPU: the small section only, through Triton's interpreter; timings are CPU timings.
-        meta["note"] = "no GPU: Triton CPU interpreter at small size; timings are not GPU figures"
-        return {"name": "attention_interpreter", "rows": _small(args, device), "meta": meta}
     default = ["overhead", "small", "throughput"] if args.mode == "fwd" else ["throughput", "memory", "train"]
     sections = args.sections.split(",") if args.sections else default
+    mode = args.mode.replace("+", "_")
+    # The varlen and window sections run alone write a file of their own, so that their results
+    # sit beside (not over) the mode's main results file.
+    separate = set(sections) <= set(WORKLOAD_SECTIONS)
+    if device.type == "cpu":
+        # No GPU: through Triton's interpreter at small size; timings are CPU timings.
+        meta["note"] = "no GPU: Triton CPU interpreter at small size; timings are not GPU figures"
+        if not separate:
+            return {"name": "attention_interpreter", "rows": _small(args, device), "meta": meta}
+    work = GPU_WORKLOAD if device.type == "cuda" else INTERPRETER_WORKLOAD
+    if separate:
+        meta.update(workload={k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(work).items()})
     rows = []
     for section in sections:
-        rows += {"overhead": _overhead, "small": _small, "throughput": _throughput, "memory": _memory,
-                 "train": _train}[section](args, device)
-    name = "attention_" + args.mode.replace("+", "_")
+        if section in WORKLOAD_SECTIONS:
+            rows += WORKLOAD_SECTIONS[section](args, device, work)
+        else:
+            rows += {"overhead": _overhead, "small": _small, "throughput": _throughput, "memory": _memory,
+                     "train": _train}[section](args, device)
+    name = "attention_" + "_".join(sections + [mode]) if separate else "attention_" + mode
     return {"name": name, "rows": rows, "meta": meta}
 
 
@@ -451,4 +695,39 @@ def summarize(result: dict) -> str:
         if r.get("section") in ("memory", "train"):
             lines.append(f"{r['section']} {r['impl']}: " + (f"{r['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in r
                                                             else f"{r['ms']:.2f} ms"))
+    lines += _summarize_workloads(rows)
     return "\n".join(lines)
+
+
+def _timing_text(r) -> str:
+    if "ms" not in r:
+        return f"{r['impl']} failed ({r.get('error')})"
+    text = f"{r['impl']} {r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s"
+    if r.get("ours_speedup") is not None:
+        lo, hi = r["ours_speedup_ci"]
+        text += f" (ours {r['ours_speedup']:.2f}x [{lo:.2f}, {hi:.2f}])"
+    if r.get("speedup_vs_full") is not None:
+        lo, hi = r["speedup_vs_full_ci"]
+        text += f" ({r['speedup_vs_full']:.2f}x [{lo:.2f}, {hi:.2f}] faster than full causal, " \
+                f"{1 / r['work_vs_full']:.1f}x less work)"
+    if isinstance(r.get("rel_err"), float):
+        text += f" err {r['rel_err']:.1e}"
+    return text
+
+
+def _summarize_workloads(rows) -> list[str]:
+    """Lines for the varlen and window sections: one per problem, every implementation on it."""
+    lines, groups = [], {}
+    for r in rows:
+        if r.get("section") == "varlen":
+            key = (f"varlen {r['mode']} causal={r['causal']}: {r.get('sequences')} sequences, {r.get('tokens')} tokens "
+                   f"({r.get('padded_tokens')} padded)")
+        elif r.get("section") == "window":
+            window = "full" if r["window"] is None else r["window"]
+            key = f"window {r['mode']} S={r.get('seqlen')} window={window}"
+        else:
+            continue
+        groups.setdefault(key, []).append(_timing_text(r))
+    for key, texts in groups.items():
+        lines.append(key + ": " + "; ".join(texts))
+    return lines

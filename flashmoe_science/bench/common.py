@@ -110,16 +110,23 @@ def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
 
 
-def attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, causal, mode="fwd") -> float:
-    """4*B*H*Sq*Sk*D for the forward, counting only unmasked pairs when causal (bottom-right);
-    the backward counts 2.5x the forward, forward+backward 3.5x."""
+def attention_pairs(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)) -> int:
+    """Query-key pairs attention computes: those in the band of query i, keys c - left <= j <=
+    c + right with c = i + Sk - Sq (bottom-right alignment; -1 unbounded; causal: right = 0)."""
+    left, right = window_size
     if causal:
-        diag = seqlen_k - seqlen_q
-        pairs = sum(max(0, min(seqlen_k, i + diag + 1)) for i in range(seqlen_q)) if seqlen_q != seqlen_k \
-            else seqlen_q * (seqlen_q + 1) / 2
-    else:
-        pairs = seqlen_q * seqlen_k
-    fwd = 4.0 * batch * heads_q * pairs * head_dim
+        right = 0
+    c = torch.arange(seqlen_q, dtype=torch.float64) + (seqlen_k - seqlen_q)
+    lo = (c - left).clamp(min=0) if left >= 0 else torch.zeros_like(c)
+    hi = (c + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(c, seqlen_k - 1)
+    return int((hi - lo + 1).clamp(min=0).sum().item())
+
+
+def attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, causal, mode="fwd", window_size=(-1, -1)) -> float:
+    """4*B*H*D per computed pair for the forward, counting only the unmasked pairs (causal,
+    bottom-right, and sliding windows: `attention_pairs`); the backward counts 2.5x the forward,
+    forward+backward 3.5x."""
+    fwd = 4.0 * batch * heads_q * attention_pairs(seqlen_q, seqlen_k, causal, window_size) * head_dim
     return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 _MARKER = re.compile(r"(<!-- results:(?P<name>[\w+-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
 _IMPL_NAMES = {"sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient",
                "flex": "Flex (compiled)", "ours": "ours", "sdpa_default": "SDPA default", "sdpa_math": "SDPA math",
+               "sdpa_padded": "SDPA padded + mask", "flex_document": "Flex document mask",
                "naive": "per-expert loop", "grouped_mm": "grouped-mm"}
 
 
@@ -97,7 +98,35 @@ def render_attention(name: str, result: dict) -> str:
     extra = _attention_extra([r for r in rows if r.get("section") in ("overhead", "memory", "train")])
     if extra:
         parts.append("\n" + extra)
+    varlen = [r for r in rows if r.get("section") == "varlen" and r.get("ms") is not None]
+    if varlen:
+        first, (shortest, longest) = varlen[0], meta["workload"]["lengths"]
+        parts.append(f"\nVariable-length batch ({meta.get('mode')}): {first['sequences']} sequences of "
+                     f"{first['tokens']} tokens in all (lengths uniform in {shortest}..{longest}, longest drawn "
+                     f"{first['max_seqlen']}; "
+                     f"{first['padded_tokens']} when padded), Hq = {first['heads']}, D = {first['head_dim']}, "
+                     f"{first['dtype']}; TFLOP/s count the real pairs only; error on the longest sequence:\n\n"
+                     + _attention_workload(varlen, ("causal",)))
+    window = [r for r in rows if r.get("section") == "window" and r.get("ms") is not None]
+    if window:
+        first = window[0]
+        parts.append(f"\nCausal sliding window ({meta.get('mode')}), S = {first['seqlen']}, Hq = {first['heads']}, "
+                     f"D = {first['head_dim']}, {first['dtype']}; TFLOP/s count the pairs inside the window:\n\n"
+                     + _attention_workload(window, ("window",)))
     return "".join(parts)
+
+
+def _attention_workload(rows, keys) -> str:
+    """One line per (problem, implementation) of the varlen and window sections."""
+    head = [*keys, "impl", "ms", "TFLOP/s", "ours faster by [95% CI]", "faster than full causal [95% CI]",
+            "rel. error"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = ["full" if r[k] is None else str(r[k]) for k in keys]
+        cells += [_IMPL_NAMES.get(r["impl"], r["impl"]), f"{r['ms']:.3f}", _fmt(r["tflops"]), _ratio_ci(r),
+                  _ratio_ci(r, "speedup_vs_full"), f"{r['rel_err']:.1e}" if isinstance(r.get("rel_err"), float) else ""]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def render_moe(name: str, result: dict) -> str:

@@ -24,11 +24,24 @@ the slowest variant in Triton (triton-lang/triton#3523, FlagAttention#4), and wo
 vary between runs; FlexAttention's Triton backward and the Triton tutorial also split.
 
 P is recomputed in base 2: scores times scale*log2(e) minus lse*log2(e), one exp2 per element.
-Causal alignment is bottom-right (query i sees keys j <= i + Sk - Sq); a non-causal call passes
-`diagonal = Sk`, which every key satisfies, so one compiled kernel serves both. Blocks nobody
-sees are skipped by the loop bounds; blocks that every row fully sees run without any mask; only
-blocks that straddle the diagonal, and the partial last block of the streamed dimension (queries
-in the dK/dV kernel, keys in the dQ kernel), pay for masking.
+With a softcap the forward's logits were softcap * tanh(scale * q.k / softcap); the backward
+recomputes t = tanh(...) from the raw score and multiplies dS by the derivative 1 - t^2 (the
+softcap's scale cancels: d logit / d(q.k) = scale * (1 - t^2)).
+
+Which keys a query sees is the forward's band (`forward.band_diagonals`: bottom-right aligned,
+causal and sliding windows alike), so both kernels walk only the blocks that meet it
+(`forward.band_blocks`; the dK/dV kernel asks with the band mirrored, keys as rows): blocks nobody
+sees are skipped, so cost grows with the window; blocks that every row fully sees run without any
+mask; only blocks on the band's two edges, and the partial last block of the streamed dimension
+(queries in the dK/dV kernel, keys in the dQ kernel), pay for masking. Both masked runs share one
+loop (a select picks the block), so each kernel has two loop bodies, not three.
+
+Variable-length batches (VARLEN) pack the sequences along one token axis with batch strides 0:
+each program reads its sequence's start and lengths from the cumulative lengths and returns at
+once when its block lies past that sequence's end. lse and delta are addressed with strides
+(stride_lb, stride_lh) plus the token row: (Hq*Sq, Sq) for dense (B, Hq, Sq), (0, total_q) for
+variable-length (Hq, total_q). The preprocess kernel needs no sequence structure at all: it runs
+on the packed tokens as one batch entry.
 
 Rows that saw no key in the forward have lse = -inf. Their lse is read as +inf instead, so every
 p of theirs is exp2(-inf) = 0 and their gradients are exactly zero. Padding rows past Sq load
@@ -39,6 +52,7 @@ not -inf), but not in the dK/dV kernel, where only their own unstored rows see t
 import triton
 import triton.language as tl
 
+from .forward import band_blocks, band_diagonals, sequence_bounds, tanh, visible_band
 from .tiles import load_tile
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -75,68 +89,110 @@ def attention_backward_preprocess_kernel(
 
 
 @triton.jit
-def _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_blocks, first_m, tail_m, num_before_tail, b64,
-                    h_kv64, group_size, num_heads_q, q_tile, do_tile, offs_m, keys, offs_d, seqlen_q, diagonal,
-                    scale_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+def _block_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """Block counts of the runs `band_blocks` describes: (masked before, unmasked, masked after).
+    The masked runs are [lo, min(full_lo, hi)) and [full_hi, hi), the unmasked [full_lo, full_hi)."""
+    num_before = tl.cdiv(tl.maximum(tl.minimum(full_lo, hi) - lo, 0), BLOCK)
+    num_after = tl.cdiv(tl.maximum(hi - full_hi, 0), BLOCK)
+    return num_before, (full_hi - full_lo) // BLOCK, num_after
+
+
+@triton.jit
+def _scores_to_probabilities(qk, lse_log2, scale_log2, softcap_scale, softcap_log2, SOFTCAP: tl.constexpr,
+                             TRANSPOSED: tl.constexpr):
+    """P = exp(logits - lse) from raw scores q.k (fp32), in base 2 as the forward computed it;
+    with SOFTCAP also t = tanh(scale * q.k / softcap), whose 1 - t^2 is the softcap's derivative."""
+    if SOFTCAP:
+        t = tanh(qk * softcap_scale)
+        s = t * softcap_log2
+    else:
+        t = qk
+        s = qk * scale_log2
+    if TRANSPOSED:
+        p = tl.math.exp2(s - lse_log2[None, :])
+    else:
+        p = tl.math.exp2(s - lse_log2[:, None])
+    return p, t
+
+
+@triton.jit
+def _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_blocks, first_m, num_first, second_m, b64, h_kv64,
+                    group_size, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo, diag_hi,
+                    scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob,
+                    stride_doh, stride_dom, stride_lb, stride_lh,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     """Step `idx` of a loop over (query head of the group, query block) pairs: one BLOCK_M block
-    of query rows against the program's BLOCK_N keys, on transposed tiles."""
+    of query rows against the program's BLOCK_N keys, on transposed tiles. The blocks of a loop
+    are one run from `first_m`, or (masked loops) `num_first` blocks from `first_m` then the rest
+    from `second_m`."""
     h64 = h_kv64 * group_size + idx // num_blocks
     i = idx % num_blocks
     if MASKED:
-        # The masked blocks are the diagonal run from first_m, then the query tail at tail_m.
-        start_m = tl.where(i < num_before_tail, first_m + i * BLOCK_M, tail_m)
+        start_m = tl.where(i < num_first, first_m + i * BLOCK_M, second_m + (i - num_first) * BLOCK_M)
     else:
         start_m = first_m + i * BLOCK_M
     rows = start_m + offs_m
-    start64 = tl.cast(start_m, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
-    q_ptrs = Q + (b64 * stride_qb + h64 * stride_qh + start64 * stride_qm) + q_tile
-    do_ptrs = DO + (b64 * stride_dob + h64 * stride_doh + start64 * stride_dom) + do_tile
-    row_base = (b64 * num_heads_q + h64) * seqlen_q
+    row64 = tl.cast(q_start + start_m, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
+    q_ptrs = Q + (b64 * stride_qb + h64 * stride_qh + row64 * stride_qm) + q_tile
+    do_ptrs = DO + (b64 * stride_dob + h64 * stride_doh + row64 * stride_dom) + do_tile
+    row_offsets = b64 * stride_lb + h64 * stride_lh + row64 + offs_m
     q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     if MASKED:
-        lse = tl.load(LSE + row_base + rows, mask=rows < seqlen_q, other=float("-inf"))
-        delta = tl.load(DELTA + row_base + rows, mask=rows < seqlen_q, other=0.0)
+        lse = tl.load(LSE + row_offsets, mask=rows < seqlen_q, other=float("-inf"))
+        delta = tl.load(DELTA + row_offsets, mask=rows < seqlen_q, other=0.0)
     else:
-        lse = tl.load(LSE + row_base + rows)
-        delta = tl.load(DELTA + row_base + rows)
-    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - _lse_log2(lse)[None, :])
+        lse = tl.load(LSE + row_offsets)
+        delta = tl.load(DELTA + row_offsets)
+    p_t, t = _scores_to_probabilities(tl.dot(k, tl.trans(q)), _lse_log2(lse), scale_log2, softcap_scale,
+                                      softcap_log2, SOFTCAP, True)
     if MASKED:
-        p_t = tl.where(keys[:, None] <= rows[None, :] + diagonal, p_t, 0.0)
+        rel = keys[:, None] - rows[None, :]
+        p_t = tl.where((rel <= diag_hi) & (rel >= diag_lo), p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:
+        ds_t = ds_t * (1.0 - t * t)
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    softmax_scale, scale_log2,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
+    softmax_scale, scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    num_heads_kv, group_size, seqlen_q, seqlen_k, diagonal, num_n_blocks,
+    stride_lb, stride_lh,
+    num_heads_kv, group_size, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # Key blocks of one kv head are adjacent in the grid so that they share Q and dO in L2. Under
     # causal masking the first key blocks are seen by the most query rows: heaviest run first.
     pid = tl.program_id(0)
     pid_bh = pid // num_n_blocks
     pid_n = pid % num_n_blocks
-    b64 = (pid_bh // num_heads_kv).to(tl.int64)
+    b = pid_bh // num_heads_kv
+    b64 = b.to(tl.int64)
     h_kv64 = (pid_bh % num_heads_kv).to(tl.int64)
     start_n = pid_n * BLOCK_N
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k,
+                                                            VARLEN)
+    if VARLEN:
+        if start_n >= seqlen_k:
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     keys = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    keys64 = keys[:, None].to(tl.int64)
+    keys64 = (k_start + keys[:, None]).to(tl.int64)
     k = load_tile(K + b64 * stride_kb + h_kv64 * stride_kh + keys64 * stride_kn + offs_d[None, :], keys, seqlen_k,
                   offs_d, HEAD_DIM, BLOCK_D, True)
     v = load_tile(V + b64 * stride_vb + h_kv64 * stride_vh + keys64 * stride_vn + offs_d[None, :], keys, seqlen_k,
@@ -144,37 +200,33 @@ def attention_backward_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query rows that see any key of this block start at start_n - diagonal; rows from
-    # last_key - diagonal on see all of them. The query blocks in between straddle the diagonal
-    # and are masked, and so is the partial last query block when Sq is not a multiple of
-    # BLOCK_M. Keys past Sk need no mask: they load as zero rows, and what their dK and dV rows
-    # collect is never stored, while no other row depends on them.
-    last_key = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
-    masked_lo = tl.maximum(start_n - diagonal, 0) // BLOCK_M * BLOCK_M
-    rows_ceil = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    full_lo = (tl.maximum(last_key - diagonal, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    full_hi = seqlen_q // BLOCK_M * BLOCK_M
-    tail_lo = tl.maximum(full_lo, full_hi)
-    num_diagonal = (tl.minimum(full_lo, rows_ceil) - masked_lo) // BLOCK_M
-    num_masked = num_diagonal + (rows_ceil - tail_lo) // BLOCK_M
-    num_full = tl.maximum(full_hi - full_lo, 0) // BLOCK_M
+    # The query rows that see these keys, by the band mirrored (key j sees query i when
+    # -diag_hi <= i - j <= -diag_lo): blocks on the band's edges and the partial last query
+    # block are masked, the blocks between run unmasked. Keys past Sk need no mask: they load
+    # as zero rows, and what their dK and dV rows collect is never stored, while no other row
+    # depends on them.
+    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
+    lo, full_lo, full_hi, hi = band_blocks(start_n, seqlen_k, seqlen_q, -diag_hi, -diag_lo, BLOCK_N, BLOCK_M)
+    num_before, num_full, num_after = _block_runs(lo, full_lo, full_hi, hi, BLOCK_M)
+    num_masked = num_before + num_after
 
     # Two flat loops over (query head of the group, query block) pairs rather than a loop over
     # heads around three block loops: nested and repeated loop bodies cost registers, which this
     # kernel (two fp32 BLOCK_N x D accumulators plus two BLOCK_N x BLOCK_M score tiles) lacks.
-    num_heads_q = num_heads_kv * group_size
     q_tile = offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
     do_tile = offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :]
     for idx in range(0, group_size * num_masked):
-        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_masked, masked_lo, tail_lo, num_diagonal,
-                                 b64, h_kv64, group_size, num_heads_q, q_tile, do_tile, offs_m, keys, offs_d,
-                                 seqlen_q, diagonal, scale_log2, stride_qb, stride_qh, stride_qm,
-                                 stride_dob, stride_doh, stride_dom, HEAD_DIM, BLOCK_D, BLOCK_M, True)
+        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_masked, lo, num_before, full_hi,
+                                 b64, h_kv64, group_size, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q,
+                                 diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
+                                 stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                 stride_lb, stride_lh, HEAD_DIM, BLOCK_D, BLOCK_M, True, SOFTCAP)
     for idx in range(0, group_size * num_full):
-        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_full, full_lo, full_lo, num_full,
-                                 b64, h_kv64, group_size, num_heads_q, q_tile, do_tile, offs_m, keys, offs_d,
-                                 seqlen_q, diagonal, scale_log2, stride_qb, stride_qh, stride_qm,
-                                 stride_dob, stride_doh, stride_dom, HEAD_DIM, BLOCK_D, BLOCK_M, False)
+        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_full, full_lo, num_full, full_lo,
+                                 b64, h_kv64, group_size, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q,
+                                 diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
+                                 stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                 stride_lb, stride_lh, HEAD_DIM, BLOCK_D, BLOCK_M, False, SOFTCAP)
 
     dk = dk * softmax_scale
     dk_ptrs = DK + b64 * stride_dkb + h_kv64 * stride_dkh + keys64 * stride_dkn + offs_d[None, :]
@@ -185,73 +237,94 @@ def attention_backward_dkdv_kernel(
 
 
 @triton.jit
-def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, start_n, rows, offs_n, offs_d, seqlen_k,
-                      diagonal, scale_log2, stride_kn, stride_vn,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """The program's BLOCK_M query rows against one BLOCK_N block of keys."""
+def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, i, lo, num_first, second_n, rows, offs_n,
+                      offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2, stride_kn,
+                      stride_vn, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The program's BLOCK_M query rows against key block `i` of a loop: one run of blocks from
+    `lo`, or (masked loops) `num_first` blocks from `lo` then the rest from `second_n`."""
+    if MASKED:
+        start_n = tl.where(i < num_first, lo + i * BLOCK_N, second_n + (i - num_first) * BLOCK_N)
+    else:
+        start_n = lo + i * BLOCK_N
     keys = start_n + offs_n
     start64 = tl.cast(start_n, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
     k = load_tile(k_ptrs + start64 * stride_kn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     v = load_tile(v_ptrs + start64 * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse_log2[:, None])
+    p, t = _scores_to_probabilities(tl.dot(q, tl.trans(k)), lse_log2, scale_log2, softcap_scale, softcap_log2,
+                                    SOFTCAP, False)
     if MASKED:
-        visible = (keys[None, :] < seqlen_k) & (keys[None, :] <= rows[:, None] + diagonal)
-        p = tl.where(visible, p, 0.0)
+        rel = keys[None, :] - rows[:, None]
+        p = tl.where((keys[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo), p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
     return tl.dot(ds.to(k.dtype), k, dq)
 
 
 @triton.jit
 def attention_backward_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    softmax_scale, scale_log2,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
+    softmax_scale, scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
-    num_heads_q, group_size, seqlen_q, seqlen_k, diagonal, num_m_blocks,
+    stride_lb, stride_lh,
+    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # Query blocks of one head adjacent (they share K and V in L2); under causal masking the last
     # query block sees the most keys, so blocks run last-first to shorten the tail.
     pid = tl.program_id(0)
     pid_bh = pid // num_m_blocks
     pid_m = num_m_blocks - 1 - pid % num_m_blocks
-    b64 = (pid_bh // num_heads_q).to(tl.int64)
+    b = pid_bh // num_heads_q
+    b64 = b.to(tl.int64)
     h = pid_bh % num_heads_q
     h64 = h.to(tl.int64)
     h_kv64 = (h // group_size).to(tl.int64)
     start_m = pid_m * BLOCK_M
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k,
+                                                            VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     in_q = rows < seqlen_q
-    rows64 = rows[:, None].to(tl.int64)
+    rows64 = (q_start + rows[:, None]).to(tl.int64)
     q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + rows64 * stride_qm + offs_d[None, :], rows, seqlen_q,
                   offs_d, HEAD_DIM, BLOCK_D, True)
     do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + rows64 * stride_dom + offs_d[None, :], rows, seqlen_q,
                    offs_d, HEAD_DIM, BLOCK_D, True)
-    lse_log2 = _lse_log2(tl.load(LSE + pid_bh.to(tl.int64) * seqlen_q + rows, mask=in_q, other=float("-inf")))
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * seqlen_q + rows, mask=in_q, other=0.0)
-    kv_rows = offs_n[:, None].to(tl.int64)
+    row_offsets = b64 * stride_lb + h64 * stride_lh + (q_start + rows).to(tl.int64)
+    lse_log2 = _lse_log2(tl.load(LSE + row_offsets, mask=in_q, other=float("-inf")))
+    delta = tl.load(DELTA + row_offsets, mask=in_q, other=0.0)
+    kv_rows = (k_start + offs_n[:, None]).to(tl.int64)
     k_ptrs = K + b64 * stride_kb + h_kv64 * stride_kh + kv_rows * stride_kn + offs_d[None, :]
     v_ptrs = V + b64 * stride_vb + h_kv64 * stride_vh + kv_rows * stride_vn + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Keys the block's last real row sees end at last_row + diagonal; keys up to
-    # start_m + diagonal are seen by every row. Padding rows past Sq contribute p = 0 anywhere.
-    last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    end_n = tl.minimum(tl.maximum(last_row + diagonal + 1, 0), seqlen_k)
-    full_n = tl.minimum(tl.maximum(start_m + diagonal + 1, 0), end_n) // BLOCK_N * BLOCK_N
-    for start_n in range(0, full_n, BLOCK_N):
-        dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, start_n, rows, offs_n, offs_d,
-                               seqlen_k, diagonal, scale_log2, stride_kn, stride_vn, HEAD_DIM, BLOCK_D, False)
-    for start_n in range(full_n, end_n, BLOCK_N):
-        dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, start_n, rows, offs_n, offs_d,
-                               seqlen_k, diagonal, scale_log2, stride_kn, stride_vn, HEAD_DIM, BLOCK_D, True)
+    # The key blocks of the forward's band: those on its edges (and the partial last key block,
+    # whose zero rows would otherwise score 0) masked, those between unmasked. Padding rows past
+    # Sq contribute p = 0 anywhere.
+    diag_lo, diag_hi, lo, full_lo, full_hi, hi = visible_band(pid_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                               BLOCK_M, BLOCK_N)
+    num_before, num_full, num_after = _block_runs(lo, full_lo, full_hi, hi, BLOCK_N)
+    for i in range(0, num_before + num_after):
+        dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, i, lo, num_before, full_hi, rows, offs_n,
+                               offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
+                               stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, True, SOFTCAP)
+    for i in range(0, num_full):
+        dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, i, full_lo, num_full, full_lo, rows,
+                               offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
+                               stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, False, SOFTCAP)
 
     dq = dq * softmax_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + rows64 * stride_dqm + offs_d[None, :],

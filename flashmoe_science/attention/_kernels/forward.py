@@ -25,21 +25,62 @@ UNBOUNDED = tl.constexpr(1 << 30)
 
 
 @triton.jit
+def band_diagonals(seqlen_q, seqlen_k, window_left, window_right):
+    """(diag_lo, diag_hi): query i sees key j when diag_lo <= j - i <= diag_hi (module docstring)."""
+    diagonal = seqlen_k - seqlen_q
+    diag_hi = tl.where(window_right < 0, UNBOUNDED, diagonal + window_right)
+    diag_lo = tl.where(window_left < 0, -UNBOUNDED, diagonal - window_left)
+    return diag_lo, diag_hi
+
+
+@triton.jit
+def band_blocks(first_row, num_rows, num_cols, diag_lo, diag_hi, BLOCK_ROWS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr):
+    """Which column blocks the rows [first_row, first_row + BLOCK_ROWS) meet, where row r sees
+    column c when diag_lo <= c - r <= diag_hi and c < num_cols: returns (lo, full_lo, full_hi, hi).
+    Columns [lo, hi) meet the band (lo is block-aligned); the blocks in [full_lo, full_hi) are
+    visible to every real row (r < num_rows) and need no mask. The forward and the dQ kernel ask
+    with rows = queries, columns = keys; the dK/dV kernel with rows = keys, columns = queries and
+    the band mirrored (-diag_hi, -diag_lo)."""
+    last_row = tl.minimum(first_row + BLOCK_ROWS - 1, num_rows - 1)
+    lo = tl.maximum(first_row + diag_lo, 0) // BLOCK_COLS * BLOCK_COLS
+    hi = tl.minimum(last_row + diag_hi + 1, num_cols)
+    full_lo = tl.maximum(lo, tl.cdiv(tl.maximum(last_row + diag_lo, 0), BLOCK_COLS) * BLOCK_COLS)
+    full_hi = tl.maximum(full_lo, tl.minimum(first_row + diag_hi + 1, num_cols) // BLOCK_COLS * BLOCK_COLS)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def visible_band(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     """The band of keys query block `pid_m` sees (see the module docstring): returns
     (diag_lo, diag_hi, lo, full_lo, full_hi, hi). Keys [lo, hi) meet the band; blocks in
     [full_lo, full_hi) are visible to every row of the block and need no mask."""
-    diagonal = seqlen_k - seqlen_q
-    diag_hi = tl.where(window_right < 0, UNBOUNDED, diagonal + window_right)
-    diag_lo = tl.where(window_left < 0, -UNBOUNDED, diagonal - window_left)
-    first_row = pid_m * BLOCK_M
-    last_row = tl.minimum(first_row + BLOCK_M - 1, seqlen_q - 1)
-    lo = tl.maximum(first_row + diag_lo, 0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(last_row + diag_hi + 1, seqlen_k)
-    full_lo = tl.maximum(lo, tl.cdiv(tl.maximum(last_row + diag_lo, 0), BLOCK_N) * BLOCK_N)
-    full_hi = tl.maximum(full_lo, tl.minimum(first_row + diag_hi + 1, seqlen_k) // BLOCK_N * BLOCK_N)
+    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
+    lo, full_lo, full_hi, hi = band_blocks(pid_m * BLOCK_M, seqlen_q, seqlen_k, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
     return diag_lo, diag_hi, lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def tanh(x):
+    """tanh(x) as 1 - 2 / (exp(2x) + 1) with one exp2: exact at both tails (no inf / inf). The
+    softcap of scores s is softcap * tanh(s / softcap)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k) of sequence b: from the cumulative lengths of a
+    variable-length batch, else the dense batch's own (rows start at 0 of each batch entry)."""
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + b)
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit
@@ -48,9 +89,7 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, cols, seqlen_k, diag_lo, diag_hi,
     """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits (softcapped
     if asked), masked to the band on edge blocks, then rescale and accumulate p.v."""
     if SOFTCAP:
-        # softcap * tanh(score / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both tails.
-        t = qk * softcap_scale
-        s = (1.0 - 2.0 / (tl.math.exp2(t * 2.8853900817779268) + 1.0)) * softcap_log2
+        s = tanh(qk * softcap_scale) * softcap_log2  # softcap * tanh(score / softcap), base 2
     else:
         s = qk * scale_log2
     if MASKED:
@@ -117,16 +156,11 @@ def attention_forward_kernel(
     h = pid_bh % num_heads_q
     h_kv = h // group_size
 
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k,
+                                                           VARLEN)
     if VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + b)
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
         if pid_m * BLOCK_M >= seqlen_q:
             return
-    else:
-        q_start = 0
-        k_start = 0
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

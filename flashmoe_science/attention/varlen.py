@@ -1,0 +1,258 @@
+"""Attention over packed variable-length batches: `flash_attention_varlen`.
+
+Sequences of different lengths are packed along one token axis, as in flash-attn's varlen
+interface: q (total_q, Hq, D) holds the queries of sequence b in rows
+cu_seqlens_q[b]:cu_seqlens_q[b + 1], k and v (total_k, Hkv, D) its keys in rows
+cu_seqlens_k[b]:cu_seqlens_k[b + 1]. Nothing is padded: the kernels (the dense ones with VARLEN
+on, through the launch path of `interface.py`) run ceil(max_seqlen / BLOCK) programs per
+(sequence, head), and a program past its sequence's end returns at once.
+
+Malformed cu_seqlens would make the kernels read and write outside the tensors, so their values
+are checked. Values on the GPU cost a device-to-host copy to read, which waits for the work
+already queued; `_CheckedLengths` reads each cu_seqlens tensor once and remembers what it found,
+so the layers of a model that share one cu_seqlens per batch pay one read per batch, not one per
+layer. While a CUDA graph is being captured nothing can be read: the values are then trusted.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .interface import (NO_WINDOW, _BackwardPlan, _check_deterministic, _check_inputs, _check_options, _ForwardPlan,
+                        _is_int, _remember, check_backward_tensors, check_band, gradients_from_context,
+                        refuse_double_backward, run_backward, run_forward, save_for_backward)
+
+# (cumulative lengths argument, its max_seqlen argument, what it counts), for error messages.
+_LENGTHS = (("cu_seqlens_q", "max_seqlen_q", "query"), ("cu_seqlens_k", "max_seqlen_k", "key"))
+
+
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """Shapes, dtypes and devices (values are `_CheckedLengths`'s)."""
+    _check_inputs(q, k, v, packed=True)
+    for (name, max_name, _), cu, bound in zip(_LENGTHS, (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32 (cumulative sequence lengths), got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() == 0:
+            raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {tuple(cu.shape)}")
+        if cu.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {cu.device}")
+        if not _is_int(bound):
+            raise TypeError(f"{max_name} must be an int, got {type(bound).__name__}")
+        if bound < 0:
+            raise ValueError(f"{max_name} must be >= 0, got {bound}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors keep no version counter
+        return None
+
+
+class _CheckedLengths:
+    """(last entry, longest length) of each cu_seqlens tensor whose values were read and found
+    well formed (starting at 0, never decreasing).
+
+    A tensor's facts are kept under its id with a weak reference to it, so that a new tensor with
+    a recycled id or address is read afresh, and with its version counter, so that one changed in
+    place is too. Tensors without a version counter (made under inference mode) are read every time.
+    """
+
+    _MAX_ENTRIES = 64
+
+    def __init__(self):
+        self._facts: dict = {}
+
+    def _known(self, t):
+        entry = self._facts.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        version = _version(t)
+        return entry[2] if version is not None and version == entry[1] else None
+
+    def facts(self, named) -> list | None:
+        """[(last, longest)] for (name, tensor) pairs, reading every unknown tensor in one copy;
+        None while a CUDA graph is being captured. Raises ValueError naming a malformed tensor."""
+        unknown = {}
+        for name, t in named:
+            if self._known(t) is None:
+                unknown.setdefault(id(t), (name, t))  # one tensor passed twice is read once
+        found = {}
+        if unknown:
+            tensors = [t for _, t in unknown.values()]
+            if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            values = (torch.cat(tensors) if len(tensors) > 1 else tensors[0]).cpu().long()
+            if len(self._facts) >= self._MAX_ENTRIES:
+                self._facts.clear()
+            for (name, t), part in zip(unknown.values(), values.split([t.numel() for t in tensors])):
+                lengths = part.diff()
+                if part[0] != 0:
+                    raise ValueError(f"{name} must start at 0, got {part[0].item()}")
+                if (lengths < 0).any():
+                    i = int((lengths < 0).nonzero()[0])
+                    raise ValueError(f"{name} must be non-decreasing (cumulative lengths), got entry {i + 1} = "
+                                     f"{part[i + 1].item()} after {part[i].item()}")
+                found[id(t)] = (part[-1].item(), lengths.max().item() if lengths.numel() else 0)
+                self._facts[id(t)] = (weakref.ref(t), _version(t), found[id(t)])
+        return [found[id(t)] if id(t) in found else self._known(t) for _, t in named]
+
+
+_CHECKED = _CheckedLengths()
+
+
+def _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k) -> None:
+    """The values of cu_seqlens: well formed, ending at the token counts of q and k, with no
+    sequence longer than its max_seqlen (which sizes the launch grid)."""
+    facts = _CHECKED.facts((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    if facts is None:  # capturing a CUDA graph
+        return
+    for (name, max_name, tokens), (last, longest), total, bound in zip(
+            _LENGTHS, facts, (q.shape[0], k.shape[0]), (max_seqlen_q, max_seqlen_k)):
+        if last != total:
+            raise ValueError(f"{name} must end at the number of {tokens} tokens ({total}), got last entry {last}")
+        if longest > bound:
+            raise ValueError(f"{max_name} ({bound}) is smaller than the longest sequence in {name} ({longest})")
+
+
+def _varlen_key(tensors, cu_seqlens_q, cu_seqlens_k, *options):
+    """What determines a packed call's plan and kernel specialisation (as `interface._plan_key`)."""
+    return (tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors),
+            tuple((cu.shape, cu.stride(), cu.dtype, cu.device, cu.data_ptr() % 16)
+                  for cu in (cu_seqlens_q, cu_seqlens_k)), options)
+
+
+_FORWARD_PLANS: dict = {}
+_BACKWARD_PLANS: dict = {}
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                   write_lse, window_size=NO_WINDOW, softcap=0.0):
+    """Runs the forward kernel on a packed batch: returns (out, lse) with lse (Hq, total_q), None
+    unless `write_lse`."""
+    try:
+        key = _varlen_key((q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
+                          softcap, write_lse)
+        plan = _FORWARD_PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks say which
+        key = plan = None
+    if plan is None:
+        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_options(causal, softmax_scale)
+        window_size = check_band(window_size, softcap)
+        plan = _ForwardPlan(q, k, v, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
+                            softcap, write_lse, True)
+        if key is not None:
+            _remember(_FORWARD_PLANS, key, plan)
+    elif softmax_scale is not None:
+        _check_options(causal, softmax_scale)
+    _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    return run_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse)
+
+
+def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                    softmax_scale, window_size=NO_WINDOW, softcap=0.0, grad_lse=None):
+    """Runs the backward kernels on a packed batch: returns (dq, dk, dv) with the layouts of q, k
+    and v; lse and grad_lse are (Hq, total_q)."""
+    tensors = (grad_output, q, k, v, out, lse)
+    try:
+        key = _varlen_key(tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
+                          softcap)
+        plan = _BACKWARD_PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks say which
+        key = plan = None
+    if plan is None:
+        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        check_backward_tensors(grad_output, q, out, lse, (q.shape[1], q.shape[0]), "(heads_q, total_q)")
+        _check_options(causal, softmax_scale)
+        window_size = check_band(window_size, softcap)
+        plan = _BackwardPlan(tensors, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
+                             softcap, True)
+        if key is not None:
+            _remember(_BACKWARD_PLANS, key, plan)
+    elif softmax_scale is not None:
+        _check_options(causal, softmax_scale)
+    _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    return run_backward(plan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+                        grad_lse)
+
+
+class _VarlenFunction(torch.autograd.Function):
+    """Eager autograd over the packed kernels (torch.compile uses the custom ops of `ops.py`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                window_size, softcap):
+        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, True, window_size, softcap)
+        save_for_backward(ctx, (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
+                          (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        refuse_double_backward("flash_attention_varlen")
+        return (*gradients_from_context(ctx, grad_out, grad_lse, varlen_backward), *(None,) * 8)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, *, window_size=NO_WINDOW, softcap=0.0, return_lse=False,
+                           deterministic=False):
+    """Fused attention over a packed batch of sequences of different lengths, differentiable in
+    q, k and v.
+
+    Args:
+        q: (total_q, Hq, D) the queries of every sequence, one after the other; fp16, bf16 or
+            fp32 (fp32 uses tf32 matrix products on the GPU).
+        k, v: (total_k, Hkv, D) keys and values, packed the same way, the dtype of q; Hq must be
+            a multiple of Hkv (GQA / MQA).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths on q's device:
+            sequence b has queries cu_seqlens_q[b]:cu_seqlens_q[b + 1] and keys
+            cu_seqlens_k[b]:cu_seqlens_k[b + 1]. They start at 0, never decrease and end at
+            total_q and total_k; sequences of length 0 are allowed.
+        max_seqlen_q, max_seqlen_k: ints at least the longest query and key lengths (they size
+            the launch; a larger value only launches programs that return at once).
+        causal, softmax_scale, window_size, softcap: as for `flash_attention_science`, applied to
+            each sequence on its own (bottom-right alignment uses that sequence's lengths).
+        return_lse: also return lse (Hq, total_q) float32, natural log; differentiable.
+        deterministic: accepted for compatibility; the backward is always bitwise reproducible.
+
+    The values of cu_seqlens are checked (ValueError for one that does not start at 0, decreases,
+    ends at a count other than the tokens of q or k, or holds a sequence longer than its
+    max_seqlen). Checking reads them to the host, which waits for the GPU's queued work, so each
+    cu_seqlens tensor is read once and remembered (until it is changed in place); pass the same
+    tensor to every layer of a batch. During CUDA graph capture they cannot be read and are
+    trusted.
+
+    Under torch.compile the call goes through the torch.library ops
+    `flashmoe_science::attention_varlen_forward` and `::attention_varlen_backward`.
+
+    Returns:
+        out (total_q, Hq, D) with q's layout and dtype, or (out, lse) when return_lse.
+    """
+    _check_deterministic(deterministic)
+    try:
+        differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    except AttributeError:  # not tensors: the checks say which argument is wrong
+        differentiable = False
+    if torch.compiler.is_compiling():
+        _check_options(causal, softmax_scale)
+        window_left, window_right = check_band(window_size, softcap)
+        out, lse = torch.ops.flashmoe_science.attention_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+            window_right, float(softcap))
+    elif differentiable:
+        out, lse = _VarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                         softmax_scale, window_size, softcap)
+    else:
+        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, return_lse, window_size, softcap)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,63 @@
+"""`bench attention` varlen and window sections end to end at the interpreter's tiny size, so that
+a mistake in them shows here rather than after a GPU run (FlexAttention, GPU-only, is left out)."""
+import argparse
+import itertools
+import math
+
+import pytest
+import torch
+
+from flashmoe_science.bench import attention, report
+from flashmoe_science.bench.common import attention_flops, attention_pairs
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    attention.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    args.repeats, args.warmup, args.rep = 2, 1, 1
+    args.progress = lambda items, desc="": items
+    return args
+
+
+def test_attention_pairs_count_the_band():
+    assert attention_pairs(4, 4) == 16 and attention_pairs(4, 4, causal=True) == 10
+    assert attention_pairs(3, 5, causal=True) == 3 + 4 + 5 and attention_pairs(5, 3, causal=True) == 1 + 2 + 3
+    assert attention_pairs(10, 10, True, (2, -1)) == 1 + 2 + 3 * 8
+    assert attention_pairs(8, 3, False, (0, 0)) == 3 and attention_pairs(6, 6, False, (1, 2)) == 3 + 4 + 4 + 4 + 3 + 2
+    assert attention_flops(2, 3, 10, 10, 16, True, "fwd+bwd", (2, -1)) == 3.5 * 4 * 2 * 3 * 27 * 16
+
+
+def test_varlen_lengths_are_reproducible_and_fit():
+    lengths = attention.varlen_lengths(16384, (64, 2048))
+    assert lengths == attention.varlen_lengths(16384, (64, 2048))
+    assert all(64 <= n <= 2048 for n in lengths) and 16384 - 2048 < sum(lengths) <= 16384
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers this at real sizes")
+def test_varlen_and_window_sections_rows_and_report():
+    result = attention.run(parse("--mode", "fwd+bwd", "--sections", "varlen,window"))
+    assert result["name"] == "attention_varlen_window_fwd_bwd"
+    work = attention.INTERPRETER_WORKLOAD
+    varlen = [r for r in result["rows"] if r["section"] == "varlen"]
+    assert {(r["impl"], r["causal"]) for r in varlen} == set(itertools.product(("ours", "sdpa_padded"), (False, True)))
+    lengths = attention.varlen_lengths(work.tokens, work.lengths)
+    for r in varlen:
+        assert r["tokens"] == sum(lengths) and r["padded_tokens"] == len(lengths) * max(lengths)
+        assert r["rel_err"] < 1e-5  # fp32: out, dq, dk and dv of the longest sequence
+        flops = sum(attention_flops(1, work.heads, n, n, work.head_dim, r["causal"], "fwd+bwd") for n in lengths)
+        assert math.isclose(r["tflops"], flops / (r["ms"] * 1e-3) / 1e12)
+        assert (r.get("ours_speedup") is None) == (r["impl"] == "ours")
+    window = [r for r in result["rows"] if r["section"] == "window"]
+    assert [r["window"] for r in window] == [None, *work.windows]
+    assert all(r["rel_err"] < 1e-5 for r in window)
+    assert window[0]["work_vs_full"] == 1 and "speedup_vs_full" not in window[0]
+    for r in window[1:]:
+        pairs = attention_pairs(work.seqlen, work.seqlen, True, (r["window"], -1))
+        assert r["work_vs_full"] == pairs / attention_pairs(work.seqlen, work.seqlen, True)
+        assert r["speedup_vs_full"] == pytest.approx(window[0]["ms"] / r["ms"])
+    text = attention.summarize(result)
+    assert "varlen fwd+bwd causal=True" in text and "faster than full causal" in text
+    rendered = report.render(result["name"], result)
+    assert "Variable-length batch (fwd+bwd)" in rendered and "Causal sliding window (fwd+bwd)" in rendered
+    assert "SDPA padded + mask" in rendered
