@@ -77,7 +77,7 @@ def _check_attention(gpu: bool, quick: bool) -> bool:
         v = torch.randn(batch, sk, hkv, d, dtype=dtype, device=device).transpose(1, 2)
         clear_records()
         out = flash_attention_science(q, k, v, causal=causal)
-        record = last_launch("attention_forward")
+        record = last_launch("attention_forward_hopper") or last_launch("attention_forward")
         ref, _ = attention_reference(q, k, v, causal=causal)
         group = hq // hkv
         kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)

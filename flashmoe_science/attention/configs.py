@@ -89,6 +89,23 @@ FORWARD = {
 del C
 
 
+# The Hopper forward (TMA descriptors, `attention/hopper.py`) for 16-bit inputs, by padded head
+# dim. Measured on an H200 (benchmarks/results/attention_hopper_sweep.json, S = 4096, bf16):
+# 513 against the generic kernel's 481 TFLOP/s at D = 128 (447 vs 425 causal), 491 vs 485 at
+# D = 256; Triton 3.6 does not warp-specialise this loop on sm90, so WARP_SPECIALIZE stays off.
+HOPPER_FORWARD = {128: AttentionConfig(128, 64, 8, 3), 256: AttentionConfig(128, 64, 8, 2)}
+# Below this many FLOPs the generic kernel runs: building four tensor descriptors costs host time
+# that a short kernel cannot hide.
+HOPPER_MIN_FLOPS = 2e10
+
+
+def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, flops: float):
+    """The Hopper forward configuration for a dense call, or None where the generic kernel runs."""
+    if device.capability != 90 or device.arch_family != 90 or element_size != 2 or flops < HOPPER_MIN_FLOPS:
+        return None
+    return HOPPER_FORWARD.get(head_dim_block(head_dim))
+
+
 def forward_config(device: DeviceInfo, element_size: int, head_dim: int, seqlen_q: int,
                    batch_heads: int) -> AttentionConfig:
     """The forward configuration for a call on `device`."""
@@ -137,7 +154,31 @@ def shipped_builds(capability: int):
                 aligned=("Q", "K", "V", "O", "LSE", "stride_qb", "stride_qh", "stride_qm", "stride_kb",
                          "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob",
                          "stride_oh", "stride_om"))
+    yield from _hopper_builds(capability)
     yield from _backward_builds(capability)
+
+
+def _hopper_builds(capability: int):
+    """The Hopper forward's builds (sm90 only), plain and with causal and softcap on."""
+    if capability != 90:
+        return
+    from ..target_compile import KernelBuild
+    from ._kernels.forward_hopper import attention_forward_hopper_kernel
+
+    for block_d, cfg in HOPPER_FORWARD.items():
+        for causal, softcap in ((False, False), (True, True)):
+            sig = {name: "i32" for name in attention_forward_hopper_kernel.arg_names}
+            for name, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
+                               ("desc_o", cfg.block_m)):
+                sig[name] = f"tensordesc<fp16[1,1,{rows},{block_d}]>"
+            sig.update(LSE="*fp32", scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
+            constexprs = dict(BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+                              SOFTCAP=softcap, WRITE_LSE=True, WARP_SPECIALIZE=False)
+            sig.update({name: "constexpr" for name in constexprs})
+            yield KernelBuild(label=f"attention_forward_hopper fp16 D={block_d} causal={causal} softcap={softcap} "
+                                    f"{cfg}", fn=attention_forward_hopper_kernel, signature=sig,
+                              constexprs=constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              aligned=("LSE",))
 
 
 @dataclass(frozen=True)

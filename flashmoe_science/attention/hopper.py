@@ -1,8 +1,10 @@
-"""The Hopper (sm90) forward path: TMA tensor descriptors, optionally a warp-specialised loop.
+"""The Hopper (sm90) forward path: TMA tensor descriptors for the Q, K, V and O tiles.
 
-Dense inputs only (no variable lengths). Every stride but the last must be a multiple of 16
-bytes and every base pointer 16-byte aligned, as the tensor memory accelerator requires;
-`supports(q, k, v)` says whether a call qualifies.
+Dense inputs only (no packed variable lengths). The tensor memory accelerator needs every base
+pointer 16-byte aligned and every stride but the last a multiple of 16 bytes; `supports` says
+whether a call's tensors qualify. The dispatcher (`interface._ForwardPlan`) takes this path for
+large 16-bit calls at padded head dims 128 and 256 on sm90 (`configs.hopper_forward_config`);
+`attention_forward_hopper` runs it with an explicit configuration for sweeps.
 """
 from __future__ import annotations
 
@@ -18,13 +20,34 @@ _HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_ke
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the tensor memory accelerator can address these (B, H, S, D) tensors."""
+    """Whether the tensor memory accelerator can address these (B, H, S, D) CUDA tensors."""
     for t in tensors:
         if not t.is_cuda or t.stride(-1) != 1 or t.data_ptr() % 16 or t.numel() == 0:
             return False
         if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False
-    return torch.cuda.get_device_capability(tensors[0].device)[0] == 9
+    return True
+
+
+def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_specialize=False,
+           device_index=None) -> None:
+    """Writes out (and lse, (B, Hq, Sq) float32, unless None) for dense q (B, Hq, Sq, D) and k, v
+    (B, Hkv, Sk, D); `window` is the kernel's (window_left, window_right)."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    block_d = head_dim_block(head_dim)
+
+    def describe(t, rows):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
+
+    num_m_blocks = -(-seqlen_q // config.block_m)
+    _HOPPER.launch(
+        None, (num_m_blocks * batch * heads_q, 1, 1),
+        (describe(q, config.block_m), describe(k, config.block_n), describe(v, config.block_n),
+         describe(out, config.block_m), out if lse is None else lse,
+         scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E, heads_q * seqlen_q, seqlen_q,
+         heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
+         block_d, config.block_m, config.block_n, causal, softcap > 0, lse is not None, warp_specialize),
+        num_warps=config.num_warps, num_stages=config.num_stages, device_index=device_index)
 
 
 def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, warp_specialize: bool,
@@ -33,21 +56,8 @@ def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config
 
     q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true.
     """
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    block_d = head_dim_block(head_dim)
     out = torch.empty_like(q)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
-    bm, bn = config.block_m, config.block_n
-
-    def describe(t, rows):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
-
-    num_m_blocks = -(-seqlen_q // bm)
-    _HOPPER.launch(
-        None, (num_m_blocks * batch * heads_q, 1, 1),
-        (describe(q, bm), describe(k, bn), describe(v, bn), describe(out, bm), lse if write_lse else out,
-         softmax_scale * _LOG2E, 0.0, 0.0, heads_q * seqlen_q, seqlen_q,
-         heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, -1, 0 if causal else -1,
-         block_d, bm, bn, causal, False, write_lse, warp_specialize),
-        num_warps=config.num_warps, num_stages=config.num_stages, device_index=q.device.index)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
+    launch(q, k, v, out, lse, softmax_scale, 0.0, config, (-1, 0 if causal else -1), causal=causal,
+           warp_specialize=warp_specialize, device_index=q.device.index)
     return out, lse

@@ -22,7 +22,9 @@ from ..launch import KernelLauncher
 from ._kernels.backward import (attention_backward_dkdv_kernel, attention_backward_dq_kernel,
                                 attention_backward_preprocess_kernel)
 from ._kernels.forward import attention_forward_kernel
-from .configs import PREPROCESS_WARPS, backward_config, forward_config, head_dim_block, preprocess_block_m
+from . import hopper
+from .configs import (PREPROCESS_WARPS, backward_config, forward_config, head_dim_block, hopper_forward_config,
+                      preprocess_block_m)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -64,7 +66,7 @@ class _ForwardPlan:
     """
 
     __slots__ = ("empty", "contiguous", "config", "grid", "default_scale", "softcap", "packed", "lse_shape",
-                 "device_index", "kernel_options", "launch_tail")
+                 "device_index", "kernel_options", "launch_tail", "hopper", "window", "causal")
 
     def __init__(self, q, k, v, batch, seqlen_q, seqlen_k, causal, window_size, softcap, write_lse, packed,
                  config=None):
@@ -87,6 +89,15 @@ class _ForwardPlan:
                                *_kernel_window(causal, window_size), head_dim, head_dim_block(head_dim),
                                cfg.block_m, cfg.block_n, causal, softcap > 0, packed, write_lse)
         self.launch_tail = None
+        self.causal = causal
+        self.window = _kernel_window(causal, window_size)
+        # Large dense 16-bit calls on sm90 take the TMA kernel when the tensors allow it.
+        flops = 4.0 * batch * heads_q * seqlen_q * seqlen_k * head_dim
+        self.hopper = None
+        if config is None and not packed and not self.contiguous and q.is_cuda:
+            hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops)
+            if hopper_cfg is not None and hopper.supports(q, k, v):
+                self.hopper = hopper_cfg
 
 
 _PLANS: dict = {}
@@ -179,6 +190,10 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
         return out, lse
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
     softcap = plan.softcap
+    if plan.hopper is not None:
+        hopper.launch(q, k, v, out, lse, scale, softcap, plan.hopper, plan.window, causal=plan.causal,
+                      device_index=plan.device_index)
+        return out, lse
     tail = plan.launch_tail
     if tail is None:
         packed = plan.packed
