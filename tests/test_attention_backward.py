@@ -43,7 +43,7 @@ def assert_grads_close(ours, refs, dtype):
         assert not g.isnan().any(), f"NaN in {name}"
         err = (g.double() - ref).abs().max().item()
         scale = ref.abs().max().item()
-        tol = 1e-2 if g.is_cuda and dtype == torch.float32 else TOL[dtype]  # fp32 dots run in tf32 on the GPU
+        tol = 3e-2 if g.is_cuda and dtype == torch.float32 else TOL[dtype]  # fp32 dots run in tf32 on the GPU
         assert err <= tol * max(scale, 1.0), f"{name}: max error {err:.3g} for gradients up to {scale:.3g}"
 
 

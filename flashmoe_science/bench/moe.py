@@ -1,4 +1,14 @@
-"""`flashmoe-science bench moe`: the fused MoE forward side by side with what users run today.
+"""`flashmoe-science bench moe`: the fused MoE layer side by side with what users run today.
+
+Modes (--mode):
+- fwd (results "moe"): the forward, every shape at T in {1, ..., 16384} (below);
+- fwd+bwd (results "moe_fwd_bwd"): forward and backward (gradients for hidden_states, w1, w2
+  and the router logits) at T = 4096 and 16384, TFLOP/s counted as 18*T*k*H*I, with the
+  gradients' relative errors against float64 on REFERENCE_TOKENS tokens (fp32 logits there, so
+  every implementation routes them alike): `rel_error_d<x|w1|w2|router_logits>`, their largest
+  as `rel_error`, next to PyTorch's own bf16 error (the naive loop's) as `torch_rel_error`;
+- train (results "moe_train"): a small transformer of our layers trained against the same
+  model in plain PyTorch ops, loss curves and step times (see moe_training.py).
 
 Implementations, on the same inputs in one process:
 - ours: `fused_moe` (routing, dispatch, two grouped GEMMs and the combine in Triton kernels);
@@ -6,6 +16,8 @@ Implementations, on the same inputs in one process:
   `torch._grouped_mm` for both expert matmuls, then index_add back (torchtitan's path);
 - naive: the per-expert loop of most model code (index, two matmuls, index_add), which is
   `reference.fused_experts_torch` after PyTorch routing.
+With --mode fwd+bwd each runs under autograd: ours through its custom ops and backward
+kernels, gmm through torch._grouped_mm's own backward, naive through PyTorch's.
 
 Each row: GPU time (do_bench medians over `repeats` runs, 95% interval), TFLOP/s counted as
 6*T*k*H*I, wall-clock per call up to 1024 tokens, the time of a CUDA-graph replay up to 128
@@ -33,9 +45,9 @@ import math
 import torch
 
 from ..device import info_for, interpreter_active
-from ..moe import configs, experts, fused_moe, moe_route, routing
-from ..moe.reference import fused_experts_torch, gated_activation_torch, moe_route_torch
-from . import common
+from ..moe import backward, configs, experts, fused_moe, moe_route, routing
+from ..moe.reference import fused_experts_torch, fused_moe_torch, gated_activation_torch, moe_route_torch
+from . import common, moe_training
 
 # name: (E, top_k, H, I)
 SHAPES = {
@@ -49,6 +61,10 @@ TOKENS = (1, 16, 128, 1024, 4096, 16384)
 QUICK_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")
 QUICK_TOKENS = (1, 4096)
 IMPLS = ("ours", "gmm", "naive")
+MODES = ("fwd", "fwd+bwd", "train")
+RESULT_NAMES = {"fwd": "moe", "fwd+bwd": "moe_fwd_bwd", "train": "moe_train"}
+FWD_BWD_TOKENS = (4096, 16384)
+FWD_BWD_QUICK_TOKENS = (4096,)
 REFERENCE_TOKENS = 128
 WALL_MAX_TOKENS = 1024
 GRAPH_MAX_TOKENS = 128
@@ -70,11 +86,14 @@ SWEEP_TOKENS = (1, 128, 1024, 16384)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=MODES, default="fwd",
+                        help="fwd: the forward; fwd+bwd: forward and backward; train: a small model trained with "
+                             "our layers and with plain PyTorch (default: fwd)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
                         help="model shapes (default: all; --quick: qwen3-30b-a3b, mixtral-8x7b)")
     parser.add_argument("--tokens", nargs="+", type=int, default=None,
                         help=f"token counts T (default: {' '.join(map(str, TOKENS))}; --sweep: "
-                             f"{' '.join(map(str, SWEEP_TOKENS))})")
+                             f"{' '.join(map(str, SWEEP_TOKENS))}; fwd+bwd: {' '.join(map(str, FWD_BWD_TOKENS))})")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to time")
     parser.add_argument("--sweep", action="store_true",
                         help="time candidate GEMM configurations and print the best per load bucket")
@@ -82,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--quick", action="store_true", help="a small subset (a tiny shape on the CPU)")
     except argparse.ArgumentError:  # the CLI already gives every benchmark --quick
         pass
+    moe_training.add_arguments(parser)
 
 
 def make_layer(E, H, I, dtype, device, generator):
@@ -110,17 +130,21 @@ def naive_forward(x, w1, w2, router_logits, top_k):
     return fused_experts_torch(x, w1, w2, weights, ids)
 
 
-def _gmm_unavailable(device, dtype) -> str | None:
-    """None when torch._grouped_mm runs here, else why not."""
+def _gmm_unavailable(device, dtype, with_backward: bool = False) -> str | None:
+    """None when torch._grouped_mm runs here (and differentiates, with_backward), else why not."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     try:
-        x = torch.randn(8, 32, device=device, dtype=dtype)
-        w1 = torch.randn(2, 32, 32, device=device, dtype=dtype)
-        w2 = torch.randn(2, 32, 16, device=device, dtype=dtype)
-        gmm_forward(x, w1, w2, torch.randn(8, 2, device=device), 1)
+        inputs = [torch.randn(8, 32, device=device, dtype=dtype), torch.randn(2, 32, 32, device=device, dtype=dtype),
+                  torch.randn(2, 32, 16, device=device, dtype=dtype), torch.randn(8, 2, device=device)]
+        for t in inputs:
+            t.requires_grad_(with_backward)
+        out = gmm_forward(*inputs, 1)
+        if with_backward:
+            torch.autograd.grad(out, inputs, torch.randn_like(out))
     except Exception as exc:  # recorded in the results instead of failing the run
-        return f"torch._grouped_mm failed: {type(exc).__name__}: {exc}"[:300]
+        what = "torch._grouped_mm backward" if with_backward else "torch._grouped_mm"
+        return f"{what} failed: {type(exc).__name__}: {exc}"[:300]
     return None
 
 
@@ -143,7 +167,10 @@ def _setup(args):
     if on_gpu:
         names = args.shapes or (list(QUICK_SHAPES) if args.quick else list(SHAPES))
         shapes = {name: SHAPES[name] for name in names}
-        default_tokens = QUICK_TOKENS if args.quick else (SWEEP_TOKENS if args.sweep else TOKENS)
+        if args.mode == "fwd+bwd":
+            default_tokens = FWD_BWD_QUICK_TOKENS if args.quick else FWD_BWD_TOKENS
+        else:
+            default_tokens = QUICK_TOKENS if args.quick else (SWEEP_TOKENS if args.sweep else TOKENS)
         return shapes, list(args.tokens or default_tokens), torch.device("cuda"), torch.bfloat16
     if not (args.quick and interpreter_active()):
         raise SystemExit("bench moe needs a CUDA GPU; without one, --quick with TRITON_INTERPRET=1 runs a "
@@ -152,8 +179,12 @@ def _setup(args):
 
 
 def run(args) -> dict:
+    if args.sweep and args.mode != "fwd":
+        raise SystemExit("--sweep times forward GEMM configurations: use it with --mode fwd")
+    if args.mode == "train":
+        return moe_training.run(args)
     shapes, tokens, device, dtype = _setup(args)
-    meta = {"dtype": str(dtype).replace("torch.", ""), "shapes": shapes, "tokens": tokens,
+    meta = {"mode": args.mode, "dtype": str(dtype).replace("torch.", ""), "shapes": shapes, "tokens": tokens,
             "interpreter": interpreter_active()}
     if interpreter_active():
         meta["note"] = "Triton interpreter on the CPU, tiny shape: the timings mean nothing"
@@ -162,12 +193,20 @@ def run(args) -> dict:
         meta["best_configs"] = table
         print(table)
         return {"name": "moe_sweep", "rows": rows, "meta": meta}
-    meta["copy_tbps"] = common.measure_copy_bandwidth()
-    gmm_reason = _gmm_unavailable(device, dtype) if "gmm" in args.impls else "not requested"
-    meta["gmm"] = gmm_reason or "torch._grouped_mm"
+    with_backward = args.mode == "fwd+bwd"
+    if not with_backward:
+        meta["copy_tbps"] = common.measure_copy_bandwidth()
+    gmm_reason = _gmm_unavailable(device, dtype, with_backward) if "gmm" in args.impls else "not requested"
+    meta["gmm"] = gmm_reason or "torch._grouped_mm" + (" with its autograd backward" if with_backward else "")
     impls = [i for i in args.impls if i != "gmm" or gmm_reason is None]
     generator = torch.Generator(device=device).manual_seed(0)
     rows = []
+    if with_backward:
+        for name in args.progress(list(shapes), desc="bench moe fwd+bwd"):
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            rows += _bench_fwd_bwd_shape(args, name, shapes[name], tokens, impls, device, dtype, generator)
+        return {"name": RESULT_NAMES[args.mode], "rows": rows, "meta": meta}
     cases = [(name, T) for name in shapes for T in tokens]
     current = w1 = w2 = w64 = None
     for name, T in args.progress(cases, desc="bench moe"):
@@ -179,7 +218,73 @@ def run(args) -> dict:
             current, (w1, w2) = name, make_layer(E, H, I, dtype, device, generator)
             w64 = (w1.double(), w2.double())
         rows += _bench_case(args, name, (E, k, H, I), T, impls, w1, w2, w64, meta["copy_tbps"], generator)
-    return {"name": "moe", "rows": rows, "meta": meta}
+    return {"name": RESULT_NAMES[args.mode], "rows": rows, "meta": meta}
+
+
+FORWARDS = {"ours": fused_moe, "gmm": gmm_forward, "naive": naive_forward}
+GRADIENT_NAMES = ("x", "w1", "w2", "router_logits")
+
+
+def _forward_backward(impl, inputs, top_k, grad_out):
+    """A call of forward and backward of `impl`: the gradients of all four inputs."""
+    forward = FORWARDS[impl]
+    return lambda: torch.autograd.grad(forward(*inputs, top_k), inputs, grad_out)
+
+
+def _gradient_errors(impls, shape, w1, w2, generator) -> dict:
+    """Per implementation, the relative error of each gradient on REFERENCE_TOKENS tokens against
+    float64 autograd through the formula (fp32 logits: every implementation routes alike)."""
+    E, k, H, _ = shape
+    device, dtype = w1.device, w1.dtype
+    x = torch.randn(REFERENCE_TOKENS, H, device=device, generator=generator).to(dtype)
+    logits = torch.randn(REFERENCE_TOKENS, E, device=device, generator=generator)
+    grad_out = torch.randn(REFERENCE_TOKENS, H, device=device, generator=generator).to(dtype)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (x, w1, w2, logits)]
+    ref = torch.autograd.grad(fused_moe_torch(*ref_inputs, k), ref_inputs, grad_out.double())
+    del ref_inputs
+    inputs = [t.detach().requires_grad_() for t in (x, w1, w2, logits)]
+    errors = {}
+    for impl in impls:
+        grads = _forward_backward(impl, inputs, k, grad_out)()
+        errors[impl] = {name: common.rel_error(g, r) for name, g, r in zip(GRADIENT_NAMES, grads, ref)}
+    return errors
+
+
+def _bench_fwd_bwd_shape(args, name, shape, tokens, impls, device, dtype, generator):
+    """Forward+backward rows of one model shape at each T; the weights are made once. The
+    gradient errors are measured first, so the float64 copies are gone before the timings."""
+    E, k, H, I = shape
+    w1, w2 = (w.requires_grad_() for w in make_layer(E, H, I, dtype, device, generator))
+    errors = _gradient_errors(list(dict.fromkeys([*impls, "naive"])), shape, w1, w2, generator)
+    torch_errors = errors["naive"]  # PyTorch's own error in the input precision
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device=device, generator=generator).to(dtype).requires_grad_()
+        logits = torch.randn(T, E, device=device, generator=generator).to(dtype).requires_grad_()
+        grad_out = torch.randn(T, H, device=device, generator=generator).to(dtype)
+        inputs = (x, w1, w2, logits)
+        flops = common.moe_flops(T, k, H, I, "fwd+bwd")
+        timings, by_impl = {}, {}
+        for impl in impls:
+            repeats = args.repeats if impl != "naive" or T <= NAIVE_FEW_REPEATS_TOKENS else min(args.repeats, 2)
+            timing = common.time_gpu(_forward_backward(impl, inputs, k, grad_out), warmup_ms=args.warmup,
+                                     rep_ms=args.rep, repeats=repeats)
+            timings[impl] = timing
+            row = {"mode": "fwd+bwd", "shape": name, "E": E, "top_k": k, "H": H, "I": I, "T": T, "impl": impl,
+                   "ms": timing.median_ms, "ms_lo": timing.lo_ms, "ms_hi": timing.hi_ms,
+                   "tflops": flops / (timing.median_ms * 1e-3) / 1e12,
+                   "rel_error": max(errors[impl].values()), "torch_rel_error": max(torch_errors.values()),
+                   **{f"rel_error_d{g}": e for g, e in errors[impl].items()}}
+            if impl == "ours":
+                row.update(experts.describe(x, w1, k), **backward.describe(x, w1, k))
+            by_impl[impl] = row
+        if "gmm" in timings:
+            for impl, row in by_impl.items():
+                ratio, lo, hi = common.speedup_interval(timings[impl], timings["gmm"])
+                row.update(speedup_vs_gmm=ratio, speedup_lo=lo, speedup_hi=hi)
+        rows += by_impl.values()
+        del x, logits, grad_out, inputs
+    return rows
 
 
 def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator):
@@ -332,7 +437,11 @@ def _best_table(rows, table, family, element_size, dtype) -> str:
 
 
 def plot(rows, path_png) -> None:
-    """TFLOP/s against T, one panel per shape, one line per implementation."""
+    """TFLOP/s against T, one panel per shape, one line per implementation (train rows: the
+    loss curves and step times, see moe_training.plot)."""
+    if any(r.get("mode") == "train" for r in rows):
+        moe_training.plot(rows, path_png)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -341,6 +450,7 @@ def plot(rows, path_png) -> None:
     shapes = list(dict.fromkeys(r["shape"] for r in rows if "tflops" in r))
     if not shapes:
         return
+    flops = "18·T·k·H·I, fwd+bwd" if any(r.get("mode") == "fwd+bwd" for r in rows) else "6·T·k·H·I"
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 3.6), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         for impl in IMPLS:
@@ -351,9 +461,31 @@ def plot(rows, path_png) -> None:
         ax.set_yscale("log")
         ax.set_title(shape)
         ax.set_xlabel("tokens T")
-        ax.set_ylabel("TFLOP/s (6·T·k·H·I)")
+        ax.set_ylabel(f"TFLOP/s ({flops})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path_png, dpi=120)
     plt.close(fig)
+
+
+def summarize(result: dict) -> str:
+    """A short text table of the result, printed last by the command."""
+    if result["name"] == RESULT_NAMES["train"]:
+        return moe_training.summarize(result)
+    if result["name"] == "moe_sweep":
+        return result["meta"]["best_configs"]
+    error = "largest gradient rel error" if result["name"] == RESULT_NAMES["fwd+bwd"] else "rel error"
+    lines = [f"shape T | TFLOP/s ours / gmm / naive | speedup vs gmm [95% CI] | {error} ours (PyTorch's)"]
+    cases = dict.fromkeys((r["shape"], r["T"]) for r in result["rows"])
+    for shape, T in cases:
+        by_impl = {r["impl"]: r for r in result["rows"] if r["shape"] == shape and r["T"] == T}
+        ours = by_impl.get("ours")
+        tflops = " / ".join(f"{by_impl[i]['tflops']:.0f}" if i in by_impl else "-" for i in IMPLS)
+        line = f"{shape} {T} | {tflops}"
+        if ours is not None and "speedup_vs_gmm" in ours:
+            line += f" | {ours['speedup_vs_gmm']:.2f} [{ours['speedup_lo']:.2f}, {ours['speedup_hi']:.2f}]"
+        if ours is not None:
+            line += f" | {ours['rel_error']:.1e} ({ours['torch_rel_error']:.1e})"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""Fused mixture-of-experts forward: routing, GPU dispatch and the expert GEMMs in Triton kernels."""
+"""Fused mixture-of-experts: routing, GPU dispatch and the expert GEMMs in Triton kernels,
+forward and backward."""
+from . import ops  # registers the torch.library custom ops that autograd and torch.compile use
 from .experts import fused_experts, fused_moe
 from .routing import moe_route
 

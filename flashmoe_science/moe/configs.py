@@ -88,6 +88,84 @@ EXPERTS = {
 }
 del G, X
 
+
+@dataclass(frozen=True)
+class WeightGradConfig:
+    """Tiling of a weight-gradient GEMM: one (BLOCK_M, BLOCK_N) tile of an expert's gradient,
+    summed over that expert's layout rows BLOCK_K at a time."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} GROUP_M={self.group_m} "
+                f"warps={self.num_warps} stages={self.num_stages}")
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tiling of the four backward GEMMs for one BLOCK_M of the forward's layout.
+
+    grad_gate_up: layout rows x I columns, K = H (dY @ w2[e], the activation gradient in its
+    epilogue); grad_x: layout rows x H columns, K = 2I; grad_w1: (2I, H) and grad_w2: (H, I)
+    tiles of each expert's weight gradient, K = the expert's rows.
+    """
+
+    grad_gate_up: GemmConfig
+    grad_x: GemmConfig
+    grad_w1: WeightGradConfig
+    grad_w2: WeightGradConfig
+
+    def __str__(self) -> str:
+        return (f"grad_gate_up[{self.grad_gate_up}] grad_x[{self.grad_x}] grad_w1[{self.grad_w1}] "
+                f"grad_w2[{self.grad_w2}]")
+
+
+# The backward runs over the forward's layout (its saved intermediates are in layout order),
+# so its tables are keyed by the forward's BLOCK_M, and must cover every BLOCK_M of EXPERTS.
+# The row GEMMs mirror the forward's: grad_gate_up holds one accumulator where gate_up holds
+# two, but its epilogue loads three tiles (h, dh/dgate, dh/dup), so it keeps gate_up's
+# BLOCK_N (at BLOCK_M 128 and 8 warps: 64 registers a thread per fp32 tile; 233 in all on
+# sm90, no spills, where BLOCK_N 256 spills); grad_x is the down GEMM's shape (K = 2I).
+# The weight gradients sum over an expert's rows with one operand gathered by token through
+# an index loaded in the loop. Triton pipelines such indirect loads num_stages - 2 deep on
+# Hopper (at most 3) and num_stages - 3 deep elsewhere, hence 5 stages: at prefill loads,
+# 128 x 256 tiles with 64-row steps keep 3 buffers (148 KB) on Hopper and 2 (99 KB) on sm80,
+# 128 x 128 tiles keep 2 (66 KB) on the 99 KB parts. For decode-sized loads an expert has a
+# few rows, the work is writing its gradient, and 32-row steps waste little on padding.
+G, B, W = GemmConfig, BackwardConfig, WeightGradConfig
+_SMALL_LOAD_WEIGHT_GRAD = W(64, 128, 32, 8, 4, 4)
+_MID_LOAD_WEIGHT_GRAD = W(128, 128, 64, 8, 8, 5)
+_BACKWARD_LARGE_SMEM = {
+    16: B(G(32, 128, 1, 4, 4), G(64, 128, 1, 4, 4), _SMALL_LOAD_WEIGHT_GRAD, _SMALL_LOAD_WEIGHT_GRAD),
+    32: B(G(64, 128, 1, 4, 3), G(128, 128, 1, 4, 3), _SMALL_LOAD_WEIGHT_GRAD, _SMALL_LOAD_WEIGHT_GRAD),
+    64: B(G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 4), _MID_LOAD_WEIGHT_GRAD, _MID_LOAD_WEIGHT_GRAD),
+    128: B(G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 4), W(128, 256, 64, 8, 8, 5), W(128, 256, 64, 8, 8, 5)),
+}
+# 99 KB: two pipeline buffers of at most 64 KB, as in the forward's table.
+_BACKWARD_SMALL_SMEM = {
+    16: _BACKWARD_LARGE_SMEM[16],
+    32: B(G(64, 64, 1, 4, 3), G(128, 64, 1, 4, 3), _SMALL_LOAD_WEIGHT_GRAD, _SMALL_LOAD_WEIGHT_GRAD),
+    64: B(G(64, 64, 8, 4, 3), G(128, 64, 8, 4, 3), _MID_LOAD_WEIGHT_GRAD, _MID_LOAD_WEIGHT_GRAD),
+    128: B(G(64, 64, 8, 8, 3), G(128, 64, 8, 8, 3), _MID_LOAD_WEIGHT_GRAD, _MID_LOAD_WEIGHT_GRAD),
+}
+_FP32_WEIGHT_GRAD = W(64, 64, 32, 8, 4, 4)
+_BACKWARD_FP32 = {
+    16: B(G(32, 64, 1, 4, 3), G(64, 64, 1, 4, 3), _FP32_WEIGHT_GRAD, _FP32_WEIGHT_GRAD),
+    64: B(G(64, 32, 8, 4, 3), G(128, 32, 8, 4, 3), _FP32_WEIGHT_GRAD, _FP32_WEIGHT_GRAD),
+}
+# BACKWARD[family][element bytes][forward BLOCK_M]
+BACKWARD = {
+    90: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},
+    80: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},
+    89: {2: _BACKWARD_SMALL_SMEM, 4: _BACKWARD_FP32},
+}
+del G, B, W
+
 # The largest BLOCK_M of any table (bounds the padding rows of the sorted layout).
 MAX_BLOCK_M = 128
 
@@ -154,6 +232,12 @@ def experts_config(device: DeviceInfo, element_size: int, num_tokens: int, top_k
     return tuned or next(cfg for b, cfg in table if b == bound)
 
 
+def backward_config(device: DeviceInfo, element_size: int, block_m: int) -> BackwardConfig:
+    """The backward's tiling on `device` for inputs of `element_size` bytes laid out in blocks of
+    `block_m` rows by the forward."""
+    return BACKWARD[device.arch_family][element_size][block_m]
+
+
 def path_name(num_tokens: int) -> str:
     return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
 
@@ -171,15 +255,26 @@ def experts_configs(capability: int):
             yield element_size, cfg
 
 
+def backward_configs(capability: int):
+    """Every (element size, forward BLOCK_M, BackwardConfig) the backward can pick on `capability`."""
+    for element_size, by_block_m in BACKWARD[family_of(capability)].items():
+        for block_m, cfg in by_block_m.items():
+            yield element_size, block_m, cfg
+
+
 def shipped_builds(capability: int):
     """Every kernel specialisation the MoE launchers can run on `capability`.
 
-    The GEMMs: each table configuration x input dtype (x activation for gate/up). Routing,
-    dispatch and combine: each layout mode x logits or output dtype; every other argument of
-    those kernels is a runtime value. Index tensors are int32 and routing
-    weights fp32 at every launch (the launchers convert other dtypes first).
+    The GEMMs: each table configuration x input dtype (x activation for gate/up). The
+    backward GEMMs: each entry of the backward table x input dtype (the activation only
+    enters the forward); the weight-gradient kernels do not depend on the layout's BLOCK_M (a
+    runtime value), so entries that share their tiling share a build. Routing, dispatch and
+    combine: each layout mode x logits or output dtype; every other argument of those kernels
+    is a runtime value. Index tensors are int32 and routing weights fp32 at every launch (the
+    launchers convert other dtypes first).
     """
     from ..target_compile import KernelBuild
+    from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
     from ._kernels.combine import combine_kernel
     from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_kernel
     from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
@@ -197,7 +292,8 @@ def shipped_builds(capability: int):
             g, d = cfg.gate_up, cfg.down
             for activation in ACTIVATIONS:
                 yield build(f"moe_gate_up {dtype} {activation} BLOCK_M={cfg.block_m} {g}", gate_up_kernel,
-                            dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", h_ptr=f"*{dtype}", **layout),
+                            dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", h_ptr=f"*{dtype}", h_grads_ptr=f"*{dtype}",
+                                 **layout),
                             dict(ACTIVATION=activation, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
                                  BLOCK_K=g.block_k, GROUP_M=g.group_m),
                             g.num_warps, g.num_stages, aligned=("H", "I", "stride_xt", "stride_we", "stride_wn"))
@@ -206,6 +302,34 @@ def shipped_builds(capability: int):
                              **layout),
                         dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m),
                         d.num_warps, d.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
+    weight_grads = {}
+    for element_size, block_m, cfg in backward_configs(capability):
+        for dtype in _TRITON_DTYPES[element_size]:
+            g, x = cfg.grad_gate_up, cfg.grad_x
+            yield build(f"moe_grad_gate_up {dtype} BLOCK_M={block_m} {g}", grad_gate_up_kernel,
+                        dict(grad_out_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", h_ptr=f"*{dtype}", h_grads_ptr=f"*{dtype}",
+                             weights_ptr="*fp32", grad_gate_up_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}",
+                             row_pairs_ptr="*i32", grad_weights_ptr="*fp32", **layout),
+                        dict(BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m),
+                        g.num_warps, g.num_stages, aligned=("H", "I", "stride_gt", "stride_we", "stride_wn"))
+            yield build(f"moe_grad_x {dtype} BLOCK_M={block_m} {x}", grad_x_kernel,
+                        dict(grad_gate_up_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", grad_x_pairs_ptr=f"*{dtype}", **layout),
+                        dict(BLOCK_M=block_m, BLOCK_N=x.block_n, BLOCK_K=x.block_k, GROUP_M=x.group_m),
+                        x.num_warps, x.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
+            weight_grads[("moe_grad_w1", dtype, cfg.grad_w1)] = None
+            weight_grads[("moe_grad_w2", dtype, cfg.grad_w2)] = None
+    for label, dtype, w in weight_grads:
+        constexprs = dict(BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, GROUP_M=w.group_m)
+        if label == "moe_grad_w1":
+            yield build(f"{label} {dtype} {w}", grad_w1_kernel,
+                        dict(grad_gate_up_ptr=f"*{dtype}", x_ptr=f"*{dtype}", grad_w1_ptr=f"*{dtype}",
+                             row_pairs_ptr="*i32", expert_blocks_ptr="*i32"),
+                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_xt"))
+        else:
+            yield build(f"{label} {dtype} {w}", grad_w2_kernel,
+                        dict(grad_out_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}", grad_w2_ptr=f"*{dtype}",
+                             row_pairs_ptr="*i32", expert_blocks_ptr="*i32"),
+                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_gt"))
     tiles = dict(E_PAD=MAX_EXPERTS, PAIRS=SORT_PAIRS, TILE_B=DISPATCH_ROWS)
     for dtype in ("fp16", "bf16", "fp32"):
         for mode in ("none", "count", "full"):

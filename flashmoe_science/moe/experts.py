@@ -9,6 +9,11 @@ A layer call is a fixed sequence of Triton launches sized from shapes alone:
 4. combine: each token's k rows summed in a fixed order (deterministic).
 Nothing is read back by the host, so the call can be captured in a CUDA graph.
 
+Calls that need gradients (autograd records and an input requires grad) or that torch.compile
+traces go through the torch.library custom ops of `ops.py` instead: the same launches, except
+that the gate/up GEMM also stores the activation's local derivatives, returned with h and the
+layout for the backward (`forward_for_backward`; the backward is in backward.py).
+
 A call with the same shapes, strides, dtypes, devices and options as an earlier one skips every
 check and configuration decision (one dictionary lookup) and launches cached compiled kernels.
 Configurations come from the tables in configs.py, or from `tune`, which times the table's
@@ -106,14 +111,17 @@ class _ExpertsPlan:
 
 
 def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, x, w1, h, top_k: int,
-                   activation: str, device_index) -> None:
-    """h (layout rows, I) = act(x @ w1[e, :I].T) * (x @ w1[e, I:].T) for every pair of the layout."""
+                   activation: str, device_index, h_grads=None) -> None:
+    """h (layout rows, I) = act(x @ w1[e, :I].T) * (x @ w1[e, I:].T) for every pair of the layout;
+    with `h_grads` ((layout rows, 2I), x's dtype) also the activation's local derivatives
+    [dh/dgate, dh/dup] = [up * act'(gate), act(gate)]."""
     g = cfg.gate_up
     H, I = x.shape[1], h.shape[1]
     _GATE_UP.launch(
         key, (layout.num_blocks * -(-I // g.block_n), 1, 1),
-        (x, w1, h, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks, H, I, top_k,
-         x.stride(0), w1.stride(0), w1.stride(1), activation, cfg.block_m, g.block_n, g.block_k, g.group_m),
+        (x, w1, h, h if h_grads is None else h_grads, layout.sorted_pairs, layout.block_expert, layout.block_rows,
+         layout.num_blocks, H, I, top_k, int(h_grads is not None), x.stride(0), w1.stride(0), w1.stride(1),
+         activation, cfg.block_m, g.block_n, g.block_k, g.group_m),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=device_index)
 
 
@@ -138,24 +146,26 @@ def launch_combine(key, y, topk_ids, out, num_experts: int, device_index) -> Non
         num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index)
 
 
-def _run_experts(plan: _ExpertsPlan, x, w1, w2, topk_weights, topk_ids, layout, activation) -> torch.Tensor:
-    """Launches gate/up, down and combine; returns out (T, H) in x's dtype."""
+def _run_experts(plan: _ExpertsPlan, x, w1, w2, topk_weights, topk_ids, layout, activation, h_grads=None):
+    """Launches gate/up (also storing the activation's derivatives in `h_grads` when given),
+    down and combine; returns (out (T, H), h (layout rows, I)), both in x's dtype."""
     cfg, key = plan.config, plan.launch_key
     h = routing.allocate((layout.num_blocks * cfg.block_m, plan.inter), x.dtype, x.device)
     y = routing.allocate((plan.dispatch.num_pairs, plan.hidden), x.dtype, x.device)
     out = routing.allocate((plan.num_tokens, plan.hidden), x.dtype, x.device)
-    launch_gate_up(key, cfg, layout, x, w1, h, plan.top_k, activation, plan.device_index)
+    launch_gate_up(key, cfg, layout, x, w1, h, plan.top_k, activation, plan.device_index, h_grads)
     launch_down(key, cfg, layout, h, w2, y, topk_weights, plan.device_index)
     launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index)
-    return out
+    return out, h
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a tensor contributes to a plan or launch key: everything Triton specialises on."""
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
 
 
 def _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring) -> tuple:
-    return ("moe", _tensor_key(hidden_states), _tensor_key(w1), _tensor_key(w2), _tensor_key(router_logits),
+    return ("moe", tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(router_logits),
             top_k, renormalize, activation, scoring)
 
 
@@ -187,8 +197,16 @@ def _check_routing_tensors(hidden_states, topk_weights, topk_ids, num_experts) -
     routing.check_top_k(topk_ids.shape[1], num_experts)
 
 
+def _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation) -> _ExpertsPlan:
+    """Checks a call of `fused_experts` (or its saving forward) and caches its plan under `key`."""
+    _check_experts_args(hidden_states, w1, w2, activation)
+    _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
+    return _remember(_EXPERTS_PLANS, key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1]))
+
+
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu"):
-    """The experts of an MoE layer for given routing, in fused Triton kernels.
+    """The experts of an MoE layer for given routing, in fused Triton kernels; differentiable in
+    hidden_states, w1, w2 and topk_weights.
 
     out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w1[e, :I] @ x_t) * (w1[e, I:] @ x_t)),
     e = topk_ids[t, j].
@@ -210,19 +228,27 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     Returns:
         out: (T, H) in hidden_states' dtype; (0, H) when T = 0. The result is deterministic: a
         token's k expert outputs are summed in fp32 in the order j = 0..k-1.
+
+    Gradients: when autograd records and an input requires grad, or under torch.compile, the
+    call runs the custom op `flashmoe_science::moe_experts_forward`, which also keeps the
+    layout, h and the activation's derivatives for the backward kernels (see backward.py for
+    what is stored and what is recomputed). Gradients of topk_weights come back in its dtype;
+    dropped slots get zero. Other calls take the lean path, which stores nothing.
     """
+    if routing.records_autograd(hidden_states, w1, w2, topk_weights):
+        _check_experts_args(hidden_states, w1, w2, activation)
+        _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
+        return _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation)
     try:
-        key = ("experts", _tensor_key(hidden_states), _tensor_key(w1), _tensor_key(w2), _tensor_key(topk_weights),
-               _tensor_key(topk_ids), activation)
+        key = ("experts", tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
+               tensor_key(topk_ids), activation)
         plan = _EXPERTS_PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks name it
         _check_experts_args(hidden_states, w1, w2, activation)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
         raise
     if plan is None:
-        _check_experts_args(hidden_states, w1, w2, activation)
-        _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
-        plan = _remember(_EXPERTS_PLANS, key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1]))
+        plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation)
     x, w1, w2 = plan.operands(hidden_states, w1, w2)
     if plan.num_tokens == 0:
         return x.new_empty((0, plan.hidden))
@@ -231,7 +257,53 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         topk_ids = topk_ids.to(torch.int32).contiguous()
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
-    return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)
+    return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)[0]
+
+
+def _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation):
+    """fused_experts through the differentiable custom op (arguments already checked): the
+    weights as fp32 and the ids as int32, contiguous, as the kernels read them (the conversion
+    of the weights is itself differentiable)."""
+    weights = topk_weights.to(torch.float32).contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    return torch.ops.flashmoe_science.moe_experts_forward(hidden_states, w1, w2, weights, ids, activation)[0]
+
+
+def saved_layout_size(hidden_states, w1, top_k: int) -> tuple[int, int]:
+    """(BLOCK_M, number of blocks) of the layout `forward_for_backward` returns for these inputs
+    (from shapes alone: the custom op's fake implementation allocates by it)."""
+    T, H = hidden_states.shape
+    E, two_i, _ = w1.shape
+    cfg = configs.experts_config(info_for(hidden_states), hidden_states.element_size(), T, top_k, E, H, two_i // 2)
+    return cfg.block_m, routing.layout_blocks(T * top_k, E, cfg.block_m)
+
+
+def forward_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation):
+    """The forward of `fused_experts` keeping what its backward needs.
+
+    Args as for `fused_experts`, except topk_weights: (T, top_k) float32 and topk_ids:
+    (T, top_k) int32, both contiguous.
+
+    Returns:
+        (out (T, H), h (rows, I), h_grads (rows, 2I), sorted_pairs (rows,) int32,
+        block_expert (blocks,) int32, block_rows (blocks,) int32). out, h and h_grads are in
+        hidden_states' dtype; h is the down GEMM's input and h_grads the activation's local
+        derivatives [dh/dgate, dh/dup], both in layout order and zero on padding rows;
+        rows = blocks * BLOCK_M (`saved_layout_size`).
+    """
+    key = ("experts_for_backward", tensor_key(hidden_states), tensor_key(w1), tensor_key(w2),
+           tensor_key(topk_weights), tensor_key(topk_ids), activation)
+    plan = _EXPERTS_PLANS.get(key)
+    if plan is None:
+        plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation)
+    x, w1, w2 = plan.operands(hidden_states, w1, w2)
+    if plan.num_tokens == 0:
+        return (x.new_empty((0, plan.hidden)), x.new_empty((0, plan.inter)), x.new_empty((0, 2 * plan.inter)),
+                *(topk_ids.new_empty((0,)) for _ in range(3)))
+    layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
+    h_grads = routing.allocate((layout.num_blocks * layout.block_m, 2 * plan.inter), x.dtype, x.device)
+    out, h = _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation, h_grads)
+    return out, h, h_grads, layout.sorted_pairs, layout.block_expert, layout.block_rows
 
 
 def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activation="silu",
@@ -252,7 +324,15 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
 
     Returns:
         out: (T, H) in hidden_states' dtype, deterministic; (0, H) when T = 0.
+
+    Differentiable in hidden_states, w1, w2 and router_logits: with autograd recording (or
+    under torch.compile) the call is `moe_route` then `fused_experts`, each through its custom
+    op, and router_logits receive the gradient of the routing weights (see `moe_route`).
     """
+    if routing.records_autograd(hidden_states, w1, w2, router_logits):
+        _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
+        weights, ids = torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
+        return torch.ops.flashmoe_science.moe_experts_forward(hidden_states, w1, w2, weights, ids, activation)[0]
     try:
         key = _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
         plan = _MOE_PLANS.get(key)
@@ -273,7 +353,7 @@ def _moe_forward(plan: _ExpertsPlan, hidden_states, w1, w2, router_logits, renor
         router_logits = router_logits.contiguous()
     weights, ids, layout = routing.route_pairs(router_logits, plan.dispatch, plan.launch_key,
                                                sigmoid=scoring == "sigmoid", renormalize=renormalize, with_layout=True)
-    return _run_experts(plan, x, w1, w2, weights, ids, layout, activation)
+    return _run_experts(plan, x, w1, w2, weights, ids, layout, activation)[0]
 
 
 def _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring) -> None:

@@ -5,6 +5,8 @@ token-expert pairs that the expert GEMMs read.
 steps `fused_moe` and `fused_experts` run: one to three Triton launches (see
 `_kernels/dispatch.py`) sized from shapes alone, with no host synchronisation and no
 data-dependent output shapes, so a whole MoE layer can be captured in a CUDA graph.
+`route_backward` is the gradient of the routing weights with respect to the logits, in plain
+torch ops (elementwise work on the (T, E) logits, cheap next to the expert GEMMs).
 
 Every buffer the MoE launchers allocate comes from `allocate`, so a test can fill them with
 poison to prove that every element a kernel reads was written first.
@@ -53,6 +55,12 @@ class PairLayout(NamedTuple):
     num_blocks: int
 
 
+def layout_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of the layout: the bound cdiv(num_pairs, block_m) + min(E, num_pairs) (each expert
+    that receives pairs pads its last block)."""
+    return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+
+
 class DispatchPlan:
     """Sizes, chunking and tiles of routing and dispatch for one problem shape (block_m None:
     routing only, no layout)."""
@@ -64,7 +72,7 @@ class DispatchPlan:
         self.num_tokens, self.num_experts, self.top_k = num_tokens, num_experts, top_k
         self.num_pairs = num_tokens * top_k
         self.block_m = block_m or 1
-        self.num_blocks = -(-self.num_pairs // block_m) + min(num_experts, self.num_pairs) if block_m else 0
+        self.num_blocks = layout_blocks(self.num_pairs, num_experts, block_m) if block_m else 0
         self.chunk_tokens = configs.chunk_tokens(num_tokens)
         self.num_chunks = max(1, -(-num_tokens // self.chunk_tokens))
         self.blocks_per_program = -(-self.num_blocks // self.num_chunks)
@@ -181,8 +189,19 @@ class _RoutePlan:
 _PLANS: dict = {}
 
 
+def records_autograd(*tensors) -> bool:
+    """Whether a call must go through the MoE custom ops (ops.py): torch.compile traces it, or
+    autograd records and one of `tensors` requires grad. Other calls take the lean paths."""
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any(): this runs on every call of the lean paths
+            if getattr(t, "requires_grad", False):
+                return True
+    return torch.compiler.is_compiling()
+
+
 def moe_route(router_logits, top_k, *, renormalize=True, scoring="softmax"):
-    """Top-k routing of each token over E experts, as one Triton kernel.
+    """Top-k routing of each token over E experts, as one Triton kernel; differentiable in
+    router_logits (through topk_weights).
 
     Args:
         router_logits: (T, E) float16, bfloat16 or float32; any row stride, unit column stride.
@@ -196,7 +215,20 @@ def moe_route(router_logits, top_k, *, renormalize=True, scoring="softmax"):
         (topk_weights, topk_ids): (T, top_k) float32 and (T, top_k) int32, contiguous. Row t
         holds the top_k largest p of token t in decreasing order (equal scores: the lower expert
         index first), with weights p, or p / sum of the k chosen p when renormalize.
+
+    When autograd records (router_logits requires grad) or torch.compile traces, the call goes
+    through the custom op `flashmoe_science::moe_route`, whose backward is `route_backward`.
     """
+    if records_autograd(router_logits):
+        check_router_logits(router_logits)
+        check_top_k(top_k, router_logits.shape[1])
+        check_routing_options(renormalize, scoring)
+        return torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
+    return route(router_logits, top_k, renormalize, scoring)
+
+
+def route(router_logits, top_k, renormalize, scoring):
+    """`moe_route` without autograd: the cached-plan path straight to the kernel."""
     try:
         key = ("route", router_logits.shape, router_logits.stride(), router_logits.dtype, router_logits.device,
                router_logits.data_ptr() % 16, top_k, renormalize, scoring)
@@ -218,3 +250,28 @@ def moe_route(router_logits, top_k, *, renormalize=True, scoring="softmax"):
     weights, ids, _ = route_pairs(router_logits, dispatch, key, sigmoid=plan.sigmoid, renormalize=renormalize,
                                   with_layout=False)
     return weights, ids
+
+
+def route_backward(grad_weights, router_logits, topk_weights, topk_ids, renormalize: bool, scoring: str):
+    """d router_logits (T, E), in router_logits' dtype, from d topk_weights (T, k).
+
+    With scores p (softmax or sigmoid of the fp32 logits), chosen scores s = p[ids] and weights
+    w = s / sum(s) (renormalize) or w = s:
+        d s = (d w - <d w, w>) / sum(s)   (renormalize), else d s = d w;
+        d p = d s scattered to the chosen experts (zero elsewhere; a token's k ids are distinct);
+        softmax: d logits = p * (d p - <d p, p>);  sigmoid: d logits = d p * p * (1 - p).
+    top-k is piecewise constant: the choice itself carries no gradient.
+    """
+    logits = router_logits.float()
+    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    ids = topk_ids.long()
+    grad = grad_weights.float()
+    if renormalize:
+        total = scores.gather(1, ids).sum(dim=1, keepdim=True)
+        grad = (grad - (grad * topk_weights).sum(dim=1, keepdim=True)) / total
+    grad_scores = torch.zeros_like(scores).scatter(1, ids, grad)
+    if scoring == "sigmoid":
+        grad_logits = grad_scores * scores * (1.0 - scores)
+    else:
+        grad_logits = scores * (grad_scores - (grad_scores * scores).sum(dim=1, keepdim=True))
+    return grad_logits.to(router_logits.dtype)

@@ -1,9 +1,13 @@
-"""Triton kernels of the fused MoE forward. Private: the public modules one level up hold the
-contract (argument checks, allocation, configuration, launch); these files hold the algorithm.
+"""Triton kernels of the fused MoE forward and backward. Private: the public modules one level
+up hold the contract (argument checks, allocation, configuration, launch); these files hold the
+algorithm.
 
 - `offsets.py`: 64-bit address arithmetic shared by every kernel.
 - `dispatch.py`: top-k routing and the block-aligned, expert-sorted layout of token-expert pairs.
 - `grouped_gemm.py`: the two expert GEMMs over that layout (gate/up with the gated activation,
   then down with the routing weight).
-- `combine.py`: the deterministic sum of each token's k weighted expert outputs.
+- `combine.py`: the deterministic sum of each token's k weighted expert outputs (and, in the
+  backward, of each token's k input gradients).
+- `backward.py`: the backward GEMMs over the same layout (activation gradient, input gradient,
+  and the per-expert weight gradients).
 """

@@ -9,7 +9,12 @@ gate_up_kernel: h[row] = act(x[t] @ w1[e, :I].T) * (x[t] @ w1[e, I:].T) for the 
 sorted_pairs[row], t = p // top_k. The token rows are gathered straight from x inside the
 K loop (no permuted copy of the activations); the gate and up tiles of the same columns are
 accumulated side by side from one A tile, so the gated activation is an epilogue and the
-(rows, I) intermediate is written once (padding rows: zeros).
+(rows, I) intermediate is written once (padding rows: zeros). When a backward pass will
+follow (store_h_grads), the epilogue also writes the local derivatives of the gated
+activation, dh/dgate = up * act'(gate) and dh/dup = act(gate), to a (rows, 2I) buffer
+(padding rows: zeros): the backward multiplies them by dh instead of recomputing the gate/up
+GEMM or the activation. store_h_grads is a runtime flag (a uniform branch in the epilogue),
+so inference and training share one build.
 
 down_kernel: y[p] = w[p] * (h[row] @ w2[e].T), reading h contiguously (rows in layout order)
 and writing each row to its pair's slot p, so a token's k rows end up adjacent for the
@@ -28,10 +33,15 @@ import triton.language as tl
 from .offsets import wide_offset
 
 
+# GELU's tanh approximation as a logistic: gelu(x) = x * sigmoid(GELU_SCALE * (x + GELU_CUBIC * x^3)),
+# GELU_SCALE = 2 * sqrt(2 / pi) (the backward kernels differentiate the same expression).
+GELU_SCALE = tl.constexpr(1.5957691216057308)
+GELU_CUBIC = tl.constexpr(0.044715)
+
+
 @triton.jit
-def _tile_coordinates(num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
-    """(row block, column tile) of this program in grouped launch order."""
-    pid = tl.program_id(0)
+def _tile_coordinates(pid, num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of tile `pid` in grouped launch order."""
     per_group = GROUP_M * num_blocks_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
@@ -42,12 +52,12 @@ def _tile_coordinates(num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
 def _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, n_out,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's tile: its expert (-1: nothing to do), layout rows (BLOCK_M,), which of
-    them hold pairs, their pair indices, and its output columns (BLOCK_N,) out of n_out."""
-    pid_m, pid_n = _tile_coordinates(num_blocks_m, tl.cdiv(n_out, BLOCK_N), GROUP_M)
+    them hold pairs, their pair indices, and its column tile (BLOCK_N columns out of n_out)."""
+    pid_m, pid_n = _tile_coordinates(tl.program_id(0), num_blocks_m, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + pid_m)
     pairs = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
-    return tl.load(block_expert_ptr + pid_m), rows, row_ok, pairs, pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(block_expert_ptr + pid_m), rows, row_ok, pairs, pid_n
 
 
 @triton.jit
@@ -58,30 +68,52 @@ def _expert_tile_ptrs(w_ptr, expert, stride_we, offs_n, stride_wn, offs_k):
 
 
 @triton.jit
-def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
-    """SwiGLU: silu(gate) * up. GeGLU: gelu(gate) * up with the tanh approximation of GELU,
-    written as x * sigmoid(2u) (= 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3))."""
+def _activation_sigmoid(gate, ACTIVATION: tl.constexpr):
+    """s with act(gate) = gate * s. silu: s = sigmoid(gate). GELU, tanh approximation, written
+    as x * sigmoid(2u) (= 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)):
+    s = sigmoid(GELU_SCALE (gate + GELU_CUBIC gate^3))."""
     if ACTIVATION == "silu":
-        act = gate * tl.sigmoid(gate)
+        return tl.sigmoid(gate)
+    return tl.sigmoid(GELU_SCALE * (gate + GELU_CUBIC * gate * gate * gate))
+
+
+@triton.jit
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
+    """SwiGLU: silu(gate) * up. GeGLU: gelu(gate) * up (tanh approximation)."""
+    return gate * _activation_sigmoid(gate, ACTIVATION) * up
+
+
+@triton.jit
+def _gated_activation_grads(gate, up, ACTIVATION: tl.constexpr):
+    """(dh/dgate, dh/dup) of h = act(gate) * up: (up * act'(gate), act(gate)). With
+    act = gate * s, s = sigmoid(z): act' = s (1 + gate (1 - s) z'), where z = gate and z' = 1
+    for silu, z = GELU_SCALE (gate + GELU_CUBIC gate^3) and z' = GELU_SCALE (1 + 3 GELU_CUBIC
+    gate^2) for GELU."""
+    s = _activation_sigmoid(gate, ACTIVATION)
+    if ACTIVATION == "silu":
+        slope = gate * (1.0 - s)
     else:
-        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
-    return act * up
+        slope = gate * (1.0 - s) * (GELU_SCALE + (3.0 * GELU_SCALE * GELU_CUBIC) * gate * gate)
+    return up * s * (1.0 + slope), gate * s
 
 
-@triton.jit(do_not_specialize=["num_blocks_m", "top_k"])
+@triton.jit(do_not_specialize=["num_blocks_m", "top_k", "store_h_grads"])
 def gate_up_kernel(
-    x_ptr, w1_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
-    num_blocks_m, H, I, top_k,
+    x_ptr, w1_ptr, h_ptr, h_grads_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    num_blocks_m, H, I, top_k, store_h_grads,
     stride_xt, stride_we, stride_wn,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn, 1);
-    h: (num_blocks_m * BLOCK_M, I) contiguous, in x's dtype."""
-    expert, rows, row_ok, pairs, offs_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
-                                                BLOCK_M, BLOCK_N, GROUP_M)
+    h: (num_blocks_m * BLOCK_M, I) contiguous, in x's dtype; h_grads (written when
+    store_h_grads is 1): (num_blocks_m * BLOCK_M, 2I) contiguous, in x's dtype,
+    [dh/dgate, dh/dup]."""
+    expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
+                                               BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + wide_offset(pairs // top_k, stride_xt)[:, None] + offs_k[None, :]
@@ -98,7 +130,16 @@ def gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    h = _gated_activation(acc_gate, acc_up, ACTIVATION)
+    if store_h_grads:
+        dh_dgate, dh_dup = _gated_activation_grads(acc_gate, acc_up, ACTIVATION)
+        h_grads_offs = wide_offset(rows, 2 * I)
+        tl.store(h_grads_ptr + h_grads_offs[:, None] + offs_n[None, :], dh_dgate.to(h_grads_ptr.dtype.element_ty),
+                 mask=n_ok[None, :])
+        tl.store(h_grads_ptr + I + h_grads_offs[:, None] + offs_n[None, :], dh_dup.to(h_grads_ptr.dtype.element_ty),
+                 mask=n_ok[None, :])
+        h = dh_dup * acc_up  # act(gate) * up
+    else:
+        h = _gated_activation(acc_gate, acc_up, ACTIVATION)
     tl.store(h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=n_ok[None, :])
 
@@ -112,10 +153,11 @@ def down_kernel(
 ):
     """h: (num_blocks_m * BLOCK_M, I) contiguous; w2: (E, H, I), strides (stride_we,
     stride_wn, 1); weights: (T * top_k,) fp32 routing weights; y: (T * top_k, H) contiguous."""
-    expert, rows, row_ok, pairs, offs_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
-                                                BLOCK_M, BLOCK_N, GROUP_M)
+    expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
+                                               BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]

@@ -1,0 +1,212 @@
+"""The backward of the expert GEMMs, over the forward's expert-sorted, block-aligned layout.
+
+Forward, for pair p = t * top_k + j routed to expert e with weight w_p (grouped_gemm.py):
+    g_p, u_p = w1[e, :I] @ x_t, w1[e, I:] @ x_t
+    h_p = act(g_p) * u_p              (stored: h[row], the down GEMM's input)
+    dh/dg_p = u_p act'(g_p), dh/du_p = act(g_p)   (stored: h_grads[row])
+    out_t = sum_j w_p * (w2[e] @ h_p)
+Given dY = d out (T, H), with a_p = w2[e].T @ dY_t (the gradient reaching h_p, before w_p):
+    d w_p = <dY_t, w2[e] @ h_p> = <a_p, h_p>
+    d h_p = w_p * a_p;  d g_p = d h_p * dh/dg_p;  d u_p = d h_p * dh/du_p
+    d x_t = sum_j w1[e].T @ [d g_p, d u_p]
+    d w1[e] = sum over e's pairs of [d g_p, d u_p] (x) x_t;  d w2[e] = sum of dY_t (x) (w_p h_p)
+
+Four kernels, each output element written by exactly one program, every sum in a fixed order
+(no atomics: the gradients are bitwise reproducible):
+- grad_gate_up_kernel: row blocks x I columns, K = H. Gathers dY rows by token inside the K
+  loop (as the forward gathers x), multiplies by w2[e]; the epilogue scales by the stored
+  activation derivatives and writes [d g, d u] (rows, 2I) in layout order, this column
+  tile's share of d w_p, and for the weight gradients w_p * h_p and each row's pair index.
+- grad_x_kernel: row blocks x H columns, K = 2I: [d g, d u] @ w1[e], each row written to its
+  pair's slot p, so the forward's combine kernel sums a token's k rows in a fixed order.
+- grad_w1_kernel, grad_w2_kernel: one program per (expert, output tile), summing over that
+  expert's layout rows in order. One operand is read in layout order, the other gathered
+  by token in the loads through the row's pair index (no permuted copy of x or dY). An
+  expert without tokens gets a zero gradient.
+Padding rows of the layout are masked on load (or hold zeros where a kernel reads them
+unmasked, as documented at each); blocks past the last expert exit at once.
+"""
+import triton
+import triton.language as tl
+
+from .grouped_gemm import _tile, _tile_coordinates
+from .offsets import wide_offset
+
+
+@triton.jit(do_not_specialize=["num_blocks_m", "num_pairs", "top_k", "weight_grad_operands"])
+def grad_gate_up_kernel(
+    grad_out_ptr, w2_ptr, h_ptr, h_grads_ptr, weights_ptr, grad_gate_up_ptr, weighted_h_ptr, row_pairs_ptr,
+    grad_weights_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    num_blocks_m, num_pairs, H, I, top_k, weight_grad_operands,
+    stride_gt, stride_we, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """grad_out: (T, H), row stride stride_gt; w2: (E, H, I), strides (stride_we, stride_wn, 1);
+    h: (rows, I) and h_grads: (rows, 2I) [dh/dgate, dh/dup], the forward's, layout order;
+    weights: (T * top_k,) fp32.
+
+    Writes, in layout order: grad_gate_up (rows, 2I) = [d gate, d up]; when
+    weight_grad_operands (the weight gradients follow) weighted_h (rows, I) = w_p * h_p, the
+    B operand of grad_w2, and row_pairs (rows,) int32, each row's pair or -1 on padding rows
+    (the column-tile-0 programs write it). grad_weights: (cdiv(I, BLOCK_N), T * top_k) fp32,
+    row pid_n receives this column tile's part of d w_p. Padding rows of grad_gate_up and
+    weighted_h are zeros (their dY rows load as zeros, their stored h and h_grads are zeros).
+
+    The epilogue needs no activation function, only products with loaded tiles: with the
+    sigmoid and its derivative recomputed here the (BLOCK_M, BLOCK_N) fp32 tiles alive at once
+    overflow the registers of a 128 x 128 tile (ptxas spills); stored derivatives do not.
+    """
+    expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
+                                               BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    dy_ptrs = grad_out_ptr + wide_offset(pairs // top_k, stride_gt)[:, None] + offs_k[None, :]
+    # w2[e] is (H, I) with I contiguous: the (BLOCK_K, BLOCK_N) tile w2[e, k, n] is row-major.
+    w_ptrs = w2_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None] + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        a = tl.load(dy_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+        dy_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wn
+    if weight_grad_operands:
+        if pid_n == 0:
+            tl.store(row_pairs_ptr + rows, tl.where(row_ok, pairs, -1))
+    # acc holds a = dY @ w2[e], before the routing weight.
+    route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+    out_dtype = grad_gate_up_ptr.dtype.element_ty
+    h_offs = wide_offset(rows, I)
+    h = tl.load(h_ptr + h_offs[:, None] + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(grad_weights_ptr + wide_offset(pid_n, num_pairs) + pairs, tl.sum(acc * h, axis=1), mask=row_ok)
+    if weight_grad_operands:
+        tl.store(weighted_h_ptr + h_offs[:, None] + offs_n[None, :], (h * route_weight).to(out_dtype),
+                 mask=n_ok[None, :])
+    grad_h = acc * route_weight
+    gate_up_offs = wide_offset(rows, 2 * I)
+    dh_dup = tl.load(h_grads_ptr + I + gate_up_offs[:, None] + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+    tl.store(grad_gate_up_ptr + I + gate_up_offs[:, None] + offs_n[None, :],
+             (grad_h * dh_dup.to(tl.float32)).to(out_dtype), mask=n_ok[None, :])
+    dh_dgate = tl.load(h_grads_ptr + gate_up_offs[:, None] + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+    tl.store(grad_gate_up_ptr + gate_up_offs[:, None] + offs_n[None, :],
+             (grad_h * dh_dgate.to(tl.float32)).to(out_dtype), mask=n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_blocks_m"])
+def grad_x_kernel(
+    grad_gate_up_ptr, w1_ptr, grad_x_pairs_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    num_blocks_m, H, I,
+    stride_we, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """grad_gate_up: (rows, 2I) contiguous, layout order; w1: (E, 2I, H), strides (stride_we,
+    stride_wn, 1); grad_x_pairs: (T * top_k, H) contiguous, row p = w1[e].T @ grad_gate_up[row of p]."""
+    expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
+                                               BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = grad_gate_up_ptr + wide_offset(rows, 2 * I)[:, None] + offs_k[None, :]
+    # w1[e] is (2I, H) with H contiguous: the (BLOCK_K, BLOCK_N) tile w1[e, k, n] is row-major.
+    w_ptrs = w1_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None] + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, 2 * I, BLOCK_K):
+        k_ok = offs_k < 2 * I - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wn
+    tl.store(grad_x_pairs_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :],
+             acc.to(grad_x_pairs_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _expert_rows(pid, expert_blocks_ptr, block_m, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+    """The expert, output tile (pid_m, pid_n) and layout row range [first_row, end_row) of
+    weight-gradient program `pid`. Programs go expert by expert (an expert's rows stay in L2
+    while its tiles run), in grouped order within an expert."""
+    per_expert = num_tiles_m * num_tiles_n
+    expert = pid // per_expert
+    pid_m, pid_n = _tile_coordinates(pid % per_expert, num_tiles_m, num_tiles_n, GROUP_M)
+    first_row = tl.load(expert_blocks_ptr + expert) * block_m
+    end_row = tl.load(expert_blocks_ptr + expert + 1) * block_m
+    return expert, pid_m, pid_n, first_row, end_row
+
+
+# In both weight-gradient kernels one operand is gathered by token through the row's pair index,
+# loaded in the same K step. Triton pipelines such an indirect load num_stages - 2 deep on Hopper
+# and num_stages - 3 deep elsewhere (configs.py sets the stages accordingly), given what the
+# asynchronous copies need: rows known 16-byte aligned, i.e. a row stride Triton specialises as
+# a multiple of 16 (H is one, so contiguous rows always are).
+@triton.jit(do_not_specialize=["block_m", "top_k"])
+def grad_w1_kernel(
+    grad_gate_up_ptr, x_ptr, grad_w1_ptr, row_pairs_ptr, expert_blocks_ptr,
+    H, I, top_k, block_m, stride_xt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """grad_w1: (E, 2I, H) contiguous, grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
+
+    grad_gate_up: (rows, 2I) contiguous, layout order, zero on padding rows (read unmasked
+    there); x: (T, H), row stride stride_xt; row_pairs: (rows,) int32, -1 on padding rows;
+    expert_blocks: (E + 1,) int32, expert e's layout blocks are [expert_blocks[e], expert_blocks[e + 1])."""
+    num_tiles_m = tl.cdiv(2 * I, BLOCK_M)
+    expert, pid_m, pid_n, first_row, end_row = _expert_rows(tl.program_id(0), expert_blocks_ptr, block_m,
+                                                            num_tiles_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < 2 * I
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(first_row, end_row, BLOCK_K):
+        rows = r0 + offs_k
+        in_range = rows < end_row
+        pairs = tl.load(row_pairs_ptr + rows, mask=in_range, other=-1)
+        # The A tile is read transposed straight from memory ((BLOCK_M, BLOCK_K), features
+        # contiguous), so it goes to shared memory without a pass through registers.
+        a = tl.load(grad_gate_up_ptr + wide_offset(rows, 2 * I)[None, :] + offs_m[:, None],
+                    mask=m_ok[:, None] & in_range[None, :], other=0.0)
+        b = tl.load(x_ptr + wide_offset(pairs // top_k, stride_xt)[:, None] + offs_n[None, :],
+                    mask=(pairs >= 0)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    out_offs = wide_offset(expert, 2 * I) * H + wide_offset(offs_m, H)[:, None] + offs_n[None, :]
+    tl.store(grad_w1_ptr + out_offs, acc.to(grad_w1_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["block_m", "top_k"])
+def grad_w2_kernel(
+    grad_out_ptr, weighted_h_ptr, grad_w2_ptr, row_pairs_ptr, expert_blocks_ptr,
+    H, I, top_k, block_m, stride_gt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """grad_w2: (E, H, I) contiguous, grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e].
+
+    grad_out: (T, H), row stride stride_gt; weighted_h: (rows, I) contiguous, w_p * h_p in
+    layout order, zero on padding rows (read unmasked there); row_pairs, expert_blocks as for
+    grad_w1_kernel."""
+    num_tiles_m = tl.cdiv(H, BLOCK_M)
+    expert, pid_m, pid_n, first_row, end_row = _expert_rows(tl.program_id(0), expert_blocks_ptr, block_m,
+                                                            num_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < H
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(first_row, end_row, BLOCK_K):
+        rows = r0 + offs_k
+        in_range = rows < end_row
+        pairs = tl.load(row_pairs_ptr + rows, mask=in_range, other=-1)
+        # dY rows gathered by token and read transposed ((BLOCK_M, BLOCK_K), H contiguous).
+        a = tl.load(grad_out_ptr + wide_offset(pairs // top_k, stride_gt)[None, :] + offs_m[:, None],
+                    mask=m_ok[:, None] & (pairs >= 0)[None, :], other=0.0)
+        b = tl.load(weighted_h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :],
+                    mask=in_range[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    out_offs = wide_offset(expert, H) * I + wide_offset(offs_m, I)[:, None] + offs_n[None, :]
+    tl.store(grad_w2_ptr + out_offs, acc.to(grad_w2_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,184 @@
+"""The backward of `fused_experts`: argument layout, buffers, configuration and launches.
+
+What the forward stores and what the backward recomputes (`experts.forward_for_backward`),
+all in the forward's expert-sorted layout:
+- stored: h = act(gate) * up (pairs, I), the down GEMM's input, which the forward writes
+  anyway; the backward reads it for d topk_weights and (times w_p) for d w2.
+- stored: the activation's local derivatives [dh/dgate, dh/dup] = [up * act'(gate),
+  act(gate)] (pairs, 2I), computed in the forward's gate/up epilogue in place of the
+  pre-activations an autograd of the plain formula keeps. Recomputing the pre-activations
+  would repeat the forward's largest GEMM (4·T·k·H·I FLOPs, a third more work in the
+  backward); recomputing the activation from stored pre-activations in the backward's first
+  epilogue overflows its registers at the 128 x 128 tiles the GEMM wants (ptxas spills), so
+  the forward, which has gate and up in registers, forms the derivatives once. Memory: 3
+  elements per pair and column of I.
+- stored: the layout (sorted_pairs, block_expert, block_rows), so the backward runs over the
+  same blocks without routing again.
+- not stored: the per-pair down outputs; d topk_weights = <dY_t, w2[e] @ h_p> is formed as
+  <w2[e].T @ dY_t, h_p> from the first backward GEMM's accumulator.
+
+The launches (kernels in `_kernels/backward.py`), none read back by the host:
+1. grad_gate_up: [d gate, d up] (pairs, 2I) in layout order, per-column-tile parts of
+   d topk_weights (a (tiles, T * k) fp32 table summed here by one torch reduction), and for
+   the weight gradients w_p * h_p and each layout row's pair;
+2. grad_x: the (T * k, H) per-pair input gradients, then the forward's combine kernel sums
+   each token's k rows in the fixed order j = 0..k-1;
+3. grad_w1 and grad_w2: one program per (expert, tile), each summing its expert's rows in
+   layout order. The experts' block ranges come from a torch.searchsorted over block_expert.
+Every output element is written by one program with a fixed summation order: the gradients
+are bitwise reproducible (no atomics anywhere).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..device import info_for
+from ..launch import KernelLauncher
+from . import configs, experts, routing
+from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
+
+_GRAD_GATE_UP = KernelLauncher("moe_grad_gate_up", grad_gate_up_kernel)
+_GRAD_X = KernelLauncher("moe_grad_x", grad_x_kernel)
+_GRAD_W1 = KernelLauncher("moe_grad_w1", grad_w1_kernel)
+_GRAD_W2 = KernelLauncher("moe_grad_w2", grad_w2_kernel)
+_MAX_PLANS = 4096
+
+
+class _BackwardPlan:
+    """Sizes, configuration and grids of a backward call (from shapes, strides and dtypes)."""
+
+    __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "block_m", "num_blocks", "config",
+                 "copy_x", "copy_w1", "copy_w2", "grad_gate_up_tiles", "grids", "device_index")
+
+    def __init__(self, x, w1, w2, topk_ids, block_expert, sorted_pairs):
+        (T, H), (E, two_i, _) = x.shape, w1.shape
+        self.num_tokens, self.hidden, self.inter, self.num_experts = T, H, two_i // 2, E
+        self.top_k = topk_ids.shape[1]
+        self.num_blocks = block_expert.numel()
+        # The forward chose BLOCK_M (T > 0 here, so there is at least one block); the saved
+        # layout says which.
+        self.block_m = sorted_pairs.numel() // self.num_blocks
+        self.config = configs.backward_config(info_for(x), x.element_size(), self.block_m)
+        self.copy_x = x.stride(1) != 1
+        self.copy_w1 = w1.stride(2) != 1
+        self.copy_w2 = w2.stride(2) != 1
+        cfg, I = self.config, self.inter
+        self.grad_gate_up_tiles = -(-I // cfg.grad_gate_up.block_n)
+        self.grids = {
+            "grad_gate_up": (self.num_blocks * self.grad_gate_up_tiles, 1, 1),
+            "grad_x": (self.num_blocks * -(-H // cfg.grad_x.block_n), 1, 1),
+            "grad_w1": (E * -(-2 * I // cfg.grad_w1.block_m) * -(-H // cfg.grad_w1.block_n), 1, 1),
+            "grad_w2": (E * -(-H // cfg.grad_w2.block_m) * -(-I // cfg.grad_w2.block_n), 1, 1),
+        }
+        self.device_index = x.device.index if x.device.type == "cuda" else None
+
+
+_PLANS: dict = {}
+
+
+def _expert_blocks(block_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E + 1,) int32: expert e's blocks are [out[e], out[e + 1]). Blocks are in expert order,
+    followed by unused blocks marked -1 (counted as E here so the sequence stays sorted)."""
+    sorted_experts = torch.where(block_expert < 0, num_experts, block_expert)
+    boundaries = torch.arange(num_experts + 1, dtype=torch.int32, device=block_expert.device)
+    return torch.searchsorted(sorted_experts, boundaries, out_int32=True)
+
+
+def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
+    """Which backward configuration a call with these inputs runs (for benchmarks and reports)."""
+    T, H = hidden_states.shape
+    E, two_i, _ = w1.shape
+    device = info_for(hidden_states)
+    forward = configs.experts_config(device, hidden_states.element_size(), T, top_k, E, H, two_i // 2)
+    return {"backward_config": str(configs.backward_config(device, hidden_states.element_size(), forward.block_m))}
+
+
+def _no_token_grads(x, w1, w2, topk_ids, need_input_grad: bool, need_weight_grads: bool):
+    """The gradients of a call with T = 0: empty for x and the routing weights, zero for the weights."""
+    return (x.new_empty(x.shape if need_input_grad else (0,)),
+            torch.zeros_like(w1, memory_format=torch.contiguous_format) if need_weight_grads else x.new_empty((0,)),
+            torch.zeros_like(w2, memory_format=torch.contiguous_format) if need_weight_grads else x.new_empty((0,)),
+            torch.empty(topk_ids.shape, dtype=torch.float32, device=x.device))
+
+
+def experts_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert,
+                     block_rows, need_input_grad: bool, need_weight_grads: bool):
+    """Gradients of `fused_experts` from what `experts.forward_for_backward` returned.
+
+    Args:
+        grad_out: (T, H) gradient of out, hidden_states' dtype, any strides.
+        hidden_states, w1, w2: the forward's arguments (the activation only enters through
+            h_grads).
+        topk_weights: (T, k) float32 and topk_ids: (T, k) int32, contiguous, as the forward ran.
+        h, h_grads, sorted_pairs, block_expert, block_rows: the forward's saved outputs.
+        need_input_grad, need_weight_grads: which gradients to compute (d topk_weights always).
+
+    Returns:
+        (d hidden_states (T, H) or an empty (0,) tensor, d w1 (E, 2I, H) and d w2 (E, H, I) or
+        empty (0,) tensors, d topk_weights (T, k) float32): gradients in the dtypes of their
+        inputs, contiguous; zero for dropped slots (ids outside [0, E)) and for experts that
+        received no token.
+    """
+    if hidden_states.shape[0] == 0:
+        return _no_token_grads(hidden_states, w1, w2, topk_ids, need_input_grad, need_weight_grads)
+    key = ("experts_backward", *map(experts.tensor_key, (
+        grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows)))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _BackwardPlan(hidden_states, w1, w2, topk_ids, block_expert, sorted_pairs)
+    x = hidden_states.contiguous() if plan.copy_x else hidden_states
+    w1 = w1.contiguous() if plan.copy_w1 else w1
+    w2 = w2.contiguous() if plan.copy_w2 else w2
+    if grad_out.stride(1) != 1:
+        grad_out = grad_out.contiguous()
+    T, H, I, E, k = plan.num_tokens, plan.hidden, plan.inter, plan.num_experts, plan.top_k
+    device, dtype = x.device, x.dtype
+    cfg, grids, dev = plan.config, plan.grids, plan.device_index
+    rows = plan.num_blocks * plan.block_m
+    grad_gate_up = routing.allocate((rows, 2 * I), dtype, device)
+    if need_weight_grads:
+        weighted_h = routing.allocate((rows, I), dtype, device)
+        row_pairs = routing.allocate((rows,), torch.int32, device)
+    else:  # not written: the kernel's flag is off
+        weighted_h, row_pairs = grad_gate_up, sorted_pairs
+    # Slots that no program covers (dropped ids) keep their zero.
+    grad_weight_parts = torch.zeros((plan.grad_gate_up_tiles, T * k), dtype=torch.float32, device=device)
+    g = cfg.grad_gate_up
+    _GRAD_GATE_UP.launch(
+        key, grids["grad_gate_up"],
+        (grad_out, w2, h, h_grads, topk_weights, grad_gate_up, weighted_h, row_pairs, grad_weight_parts,
+         sorted_pairs, block_expert, block_rows, plan.num_blocks, T * k, H, I, k, int(need_weight_grads),
+         grad_out.stride(0), w2.stride(0), w2.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m),
+        num_warps=g.num_warps, num_stages=g.num_stages, device_index=dev)
+    grad_weights = grad_weight_parts.sum(dim=0).view(T, k)
+    # Gradients not asked for are empty tensors (distinct: a custom op's outputs may not alias).
+    grad_x, grad_w1, grad_w2 = (x.new_empty((0,)) for _ in range(3))
+    if need_input_grad:
+        grad_x_pairs = routing.allocate((T * k, H), dtype, device)
+        grad_x = routing.allocate((T, H), dtype, device)
+        g = cfg.grad_x
+        _GRAD_X.launch(
+            key, grids["grad_x"],
+            (grad_gate_up, w1, grad_x_pairs, sorted_pairs, block_expert, block_rows, plan.num_blocks, H, I,
+             w1.stride(0), w1.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m),
+            num_warps=g.num_warps, num_stages=g.num_stages, device_index=dev)
+        experts.launch_combine(key, grad_x_pairs, topk_ids, grad_x, E, dev)
+    if need_weight_grads:
+        expert_blocks = _expert_blocks(block_expert, E)
+        grad_w1 = routing.allocate((E, 2 * I, H), dtype, device)
+        grad_w2 = routing.allocate((E, H, I), dtype, device)
+        g = cfg.grad_w1
+        _GRAD_W1.launch(
+            key, grids["grad_w1"],
+            (grad_gate_up, x, grad_w1, row_pairs, expert_blocks, H, I, k, plan.block_m, x.stride(0),
+             g.block_m, g.block_n, g.block_k, g.group_m),
+            num_warps=g.num_warps, num_stages=g.num_stages, device_index=dev)
+        g = cfg.grad_w2
+        _GRAD_W2.launch(
+            key, grids["grad_w2"],
+            (grad_out, weighted_h, grad_w2, row_pairs, expert_blocks, H, I, k, plan.block_m, grad_out.stride(0),
+             g.block_m, g.block_n, g.block_k, g.group_m),
+            num_warps=g.num_warps, num_stages=g.num_stages, device_index=dev)
+    return grad_x, grad_w1, grad_w2, grad_weights

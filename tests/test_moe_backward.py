@@ -1,0 +1,262 @@
+"""Gradients of fused_moe and fused_experts against autograd through the float64 reference of the
+formula, on the CPU interpreter (fp32 and fp16, small shapes) and on the GPU (bf16 at real model
+shapes); which backward kernels run; determinism; torch.compile."""
+import pytest
+import torch
+from test_moe_configs import _launched_build
+from test_moe_experts import make_layer, rel_error
+from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher buffer starts as poison)
+
+from flashmoe_science.device import SUPPORTED_TARGETS, info_for
+from flashmoe_science.launch import clear_records, last_launch
+from flashmoe_science.moe import configs, fused_experts, fused_moe, moe_route
+from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
+
+BACKWARD_OPS = ("moe_grad_gate_up", "moe_grad_x", "moe_grad_w1", "moe_grad_w2")
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def grads_of(fn, inputs, grad_out):
+    out = fn(*inputs)
+    return out, torch.autograd.grad(out, inputs, grad_out)
+
+
+def check_grads(grads, ref64, torch_grads, names, *, atol):
+    """MEASURING.md: each gradient within 2x of PyTorch's own error in the input precision plus a
+    small absolute term; no poison (NaN) left anywhere. Returns the relative errors."""
+    errors = {}
+    for name, g, r, t in zip(names, grads, ref64, torch_grads):
+        assert g.shape == r.shape, name
+        assert not torch.isnan(g).any(), f"d {name}: an element the kernels should have written was left as poison"
+        ours, theirs = rel_error(g, r), rel_error(t, r)
+        assert ours <= 2 * theirs + atol, f"d {name}: relative error {ours:.2e}, PyTorch's own {theirs:.2e}"
+        errors[name] = ours
+    return errors
+
+
+def moe_gradient_check(device, T, E, k, H, I, dtype, **options):
+    x, w1, w2 = make_layer(T, E, H, I, dtype, device)
+    logits = torch.randn(T, E, device=device)
+    grad_out = torch.randn(T, H, device=device).to(dtype)
+    inputs = leaves(x, w1, w2, logits)
+    out, grads = grads_of(lambda *a: fused_moe(*a, k, **options), inputs, grad_out)
+    _, ref = grads_of(lambda *a: fused_moe_torch(*a, k, **options), leaves(*(t.double() for t in inputs)),
+                      grad_out.double())
+    _, torch_grads = grads_of(lambda *a: fused_moe_torch(*a, k, **options), leaves(*inputs), grad_out)
+    assert grads[3].dtype == logits.dtype and grads[0].dtype == dtype
+    # fp32 runs tf32 tensor-core products on the GPU (10 mantissa bits), PyTorch's matmuls do not.
+    atol = 1e-6 if dtype == torch.float32 and device.type == "cpu" else (5e-3 if dtype == torch.float32 else 2e-3)
+    return check_grads(grads, ref, torch_grads, ("x", "w1", "w2", "router_logits"), atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,k,H,I", [
+    (1, 4, 2, 32, 16),      # decode: one token, most experts idle
+    (5, 8, 8, 16, 32),      # top_k = E
+    (33, 8, 3, 64, 48),     # T and I not multiples of any block
+    (300, 4, 2, 32, 16),    # several dispatch chunks, prefill configuration
+])
+def test_fused_moe_gradients_match_reference(device, poisoned, T, E, k, H, I, dtype):  # noqa: F811
+    errors = moe_gradient_check(device, T, E, k, H, I, dtype)
+    if dtype == torch.float32 and device.type == "cpu":
+        assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("activation,scoring,renormalize", [("gelu", "softmax", True), ("silu", "softmax", False),
+                                                            ("silu", "sigmoid", True), ("gelu", "sigmoid", False)])
+def test_fused_moe_gradient_options(device, poisoned, activation, scoring, renormalize):  # noqa: F811
+    errors = moe_gradient_check(device, 21, 8, 2, 32, 32, torch.float32, activation=activation, scoring=scoring,
+                                renormalize=renormalize)
+    assert max(errors.values()) < (1e-5 if device.type == "cpu" else 5e-3), errors
+
+
+def test_user_routing_gradients_with_dropped_and_repeated_ids(device, poisoned):  # noqa: F811
+    """fused_experts with int64 ids (repeats within a row, ids outside [0, E) that drop a slot)
+    and half-precision weights: their gradient comes back in half precision, zero on dropped slots."""
+    T, E, k, H, I = 40, 8, 3, 48, 32
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    ids = torch.randint(0, E, (T, k), device=device)
+    ids[::5, 1] = ids[::5, 0]
+    ids[::3, 2] = -1
+    ids[1::4, 0] = E
+    weights = torch.rand(T, k, device=device).half()
+    grad_out = torch.randn(T, H, device=device)
+    inputs = leaves(x, w1, w2, weights)
+    _, grads = grads_of(lambda x, w1, w2, w: fused_experts(x, w1, w2, w, ids), inputs, grad_out)
+    _, ref = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids),
+                      leaves(*(t.double() for t in inputs)), grad_out.double())
+    assert grads[3].dtype == torch.float16
+    dropped = (ids < 0) | (ids >= E)
+    assert torch.all(grads[3][dropped] == 0)
+    for name, g, r in zip(("x", "w1", "w2"), grads, ref):
+        assert rel_error(g, r) < (1e-5 if device.type == "cpu" else 5e-3), name
+    tolerance = 2e-3 if device.type == "cpu" else 1e-2  # an fp16 gradient (and tf32 products on the GPU)
+    torch.testing.assert_close(grads[3].double(), ref[3], rtol=tolerance, atol=tolerance)
+
+
+def test_idle_experts_and_one_expert_for_every_token(device, poisoned):  # noqa: F811
+    """Every token routed to expert 2 (top-1): the other experts' weight gradients are exactly zero;
+    and a logit bias that makes expert 5 everyone's first choice (heavy imbalance, top-2)."""
+    T, E, H, I = 37, 8, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    ids = torch.full((T, 1), 2, device=device, dtype=torch.int32)
+    weights = torch.rand(T, 1, device=device)
+    grad_out = torch.randn(T, H, device=device)
+    inputs = leaves(x, w1, w2, weights)
+    _, grads = grads_of(lambda x, w1, w2, w: fused_experts(x, w1, w2, w, ids), inputs, grad_out)
+    _, ref = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids),
+                      leaves(*(t.double() for t in inputs)), grad_out.double())
+    idle = torch.arange(E, device=device) != 2
+    assert torch.all(grads[1][idle] == 0) and torch.all(grads[2][idle] == 0)
+    for g, r in zip(grads, ref):
+        assert rel_error(g, r) < (1e-5 if device.type == "cpu" else 5e-3)
+    logits = torch.randn(T, E, device=device)
+    logits[:, 5] += 20.0
+    inputs = leaves(x, w1, w2, logits)
+    _, grads = grads_of(lambda *a: fused_moe(*a, 2, scoring="sigmoid"), inputs, grad_out)
+    _, ref = grads_of(lambda *a: fused_moe_torch(*a, 2, scoring="sigmoid"), leaves(*(t.double() for t in inputs)),
+                      grad_out.double())
+    for g, r in zip(grads, ref):
+        assert rel_error(g, r) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+def test_no_tokens(device):
+    x, w1, w2 = make_layer(0, 4, 32, 16, torch.float16, device)
+    inputs = leaves(x, w1, w2, torch.randn(0, 4, device=device))
+    out = fused_moe(*inputs, 2)
+    assert out.shape == (0, 32)
+    dx, dw1, dw2, dlogits = torch.autograd.grad(out.float().sum(), inputs)
+    assert dx.shape == (0, 32) and dlogits.shape == (0, 4)
+    assert torch.all(dw1 == 0) and torch.all(dw2 == 0)
+
+
+@pytest.mark.parametrize("needs", ["x", "weights", "routing"])
+def test_only_the_needed_gradients_run(device, needs):
+    """Frozen experts skip the weight-gradient kernels; a frozen input skips grad_x."""
+    T, E, k, H, I = 19, 4, 2, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    logits = torch.randn(T, E, device=device)
+    x.requires_grad_(needs == "x")
+    w1.requires_grad_(needs == "weights")
+    w2.requires_grad_(needs == "weights")
+    logits.requires_grad_(needs == "routing")
+    wanted = [t for t in (x, w1, w2, logits) if t.requires_grad]
+    clear_records()
+    grads = torch.autograd.grad(fused_moe(x, w1, w2, logits, k).square().sum(), wanted)
+    assert all(not torch.isnan(g).any() for g in grads)
+    assert last_launch("moe_grad_gate_up") is not None
+    assert (last_launch("moe_grad_x") is not None) == (needs == "x")
+    assert (last_launch("moe_grad_w1") is not None) == (last_launch("moe_grad_w2") is not None) == (needs == "weights")
+
+
+def test_gradient_of_any_layout(device):
+    """The incoming gradient may be broadcast (out.sum(): stride 0) or a strided view."""
+    T, E, k, H, I = 13, 4, 2, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    logits = torch.randn(T, E, device=device)
+    inputs = leaves(x, w1, w2, logits)
+    ref_inputs = leaves(*(t.double() for t in inputs))
+    for loss in (lambda out: out.sum(), lambda out: (out[:, ::2] * torch.arange(H // 2, device=out.device)).sum()):
+        grads = torch.autograd.grad(loss(fused_moe(*inputs, k)), inputs)
+        ref = torch.autograd.grad(loss(fused_moe_torch(*ref_inputs, k)), ref_inputs)
+        for g, r in zip(grads, ref):
+            assert rel_error(g, r) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+@pytest.mark.parametrize("T", [3, 200])
+def test_backward_launches_are_shipped_builds(device, T):
+    E, k, H, I = 8, 2, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    inputs = leaves(x, w1, w2, torch.randn(T, E, device=device))
+    clear_records()
+    torch.autograd.grad(fused_moe(*inputs, k).square().sum(), inputs)
+    capability = info_for(x).capability
+    for op in ("moe_gate_up",) + BACKWARD_OPS:
+        _launched_build(op, capability)
+
+
+def test_backward_tables_cover_every_forward_block_m():
+    for family, by_size in configs.EXPERTS.items():
+        for element_size, table in by_size.items():
+            forward_block_m = {cfg.block_m for _, cfg in table}
+            assert set(configs.BACKWARD[family][element_size]) == forward_block_m, (family, element_size)
+
+
+@pytest.mark.targets
+def test_every_backward_build_compiles_and_fits(compiled_rows):
+    for cap in SUPPORTED_TARGETS:
+        rows = [r for r in compiled_rows if r["target"] == f"sm{cap}" and r["label"].startswith(BACKWARD_OPS)]
+        assert {r["label"] for r in rows} == {b.label for b in configs.shipped_builds(cap)
+                                              if b.label.startswith(BACKWARD_OPS)}
+        assert all(r["fits"] for r in rows), [(r["label"], r["error"] or r["shared"]) for r in rows if not r["fits"]]
+
+
+@pytest.mark.targets
+def test_hopper_prefill_backward_gemms_use_wgmma(compiled_rows):
+    """16-bit backward GEMMs with 64 rows or more per tile run wgmma on sm90."""
+    def tile_rows(label):
+        return int(label.split("BLOCK_M=")[1].split()[0])
+
+    gemms = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith(BACKWARD_OPS)
+             and r["label"].split()[1] in ("fp16", "bf16") and tile_rows(r["label"]) >= 64]
+    assert gemms and all(r["wgmma"] for r in gemms), [r["label"] for r in gemms if not r["wgmma"]]
+
+
+def test_compiled_fused_moe_matches_eager(device):
+    """torch.compile(fullgraph=True) traces routing, experts and their backward as custom ops;
+    the second token count recompiles with a dynamic T."""
+    E, k, H, I = 8, 2, 32, 16
+
+    def loss_fn(x, w1, w2, logits):
+        weights, ids = moe_route(logits, k)
+        return fused_experts(x, w1, w2, weights, ids).square().mean() + fused_moe(x, w1, w2, logits, k).mean()
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    for T in (24, 37):
+        x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+        inputs = leaves(x, w1, w2, torch.randn(T, E, device=device))
+        loss = compiled(*inputs)
+        grads = torch.autograd.grad(loss, inputs)
+        eager_loss = loss_fn(*inputs)
+        eager_grads = torch.autograd.grad(eager_loss, inputs)
+        assert torch.equal(loss, eager_loss)
+        for g, e in zip(grads, eager_grads):
+            assert torch.equal(g, e)
+
+
+# (name, E, k, H, I, T): model shapes at a training-sized token count.
+REAL_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 512), ("deepseek-v2-lite", 64, 6, 2048, 1408, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,E,k,H,I,T", REAL_SHAPES)
+def test_bf16_gradients_real_shapes(name, E, k, H, I, T):
+    """Gradients for x, w1, w2 and the routing weights (our routing, as bf16 logits tie)."""
+    x, w1, w2 = make_layer(T, E, H, I, torch.bfloat16, "cuda")
+    weights, ids = moe_route(torch.randn(T, E, device="cuda", dtype=torch.bfloat16), k)
+    grad_out = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    inputs = leaves(x, w1, w2, weights)
+    _, grads = grads_of(lambda x, w1, w2, w: fused_experts(x, w1, w2, w, ids), inputs, grad_out)
+    _, torch_grads = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids), leaves(*inputs), grad_out)
+    _, ref = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids),
+                      leaves(*(t.double() for t in inputs)), grad_out.double())
+    check_grads(grads, ref, torch_grads, ("x", "w1", "w2", "topk_weights"), atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_backward_deterministic_and_no_host_sync():
+    T, E, k, H, I = 4096, 128, 8, 2048, 768
+    x, w1, w2 = make_layer(T, E, H, I, torch.bfloat16, "cuda")
+    inputs = leaves(x, w1, w2, torch.randn(T, E, device="cuda"))
+    grad_out = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    first = torch.autograd.grad(fused_moe(*inputs, k), inputs, grad_out)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = torch.autograd.grad(fused_moe(*inputs, k), inputs, grad_out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
