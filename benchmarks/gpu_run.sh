@@ -3,8 +3,9 @@
 # written under $OUT and packed into one archive (the device tool returns at most 8 files).
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
-#   stages: env tests sweep hopper-sweep backward-sweep attention-small attention-fwd attention-bwd attention-fwd+bwd moe moe-fwd+bwd moe-sweep
-#   (default: env tests attention-fwd attention-bwd moe)
+#   stages: env tests sweep hopper-sweep backward-sweep attention-small attention-fwd attention-bwd
+#           attention-fwd+bwd attention-varlen-window moe moe-fwd+bwd moe-train moe-sweep
+#   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
 set -uo pipefail
@@ -14,7 +15,7 @@ RESULTS="$OUT/results"
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 FLASHMOE_NO_PROGRESS=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env tests attention-fwd attention-bwd moe)
+[ ${#stages[@]} -eq 0 ] && stages=(env tests attention-fwd attention-bwd attention-varlen-window moe moe-fwd+bwd moe-train)
 TESTS=${TESTS:-tests}            # which tests the tests stage runs
 BENCH_ARGS=${BENCH_ARGS:-}       # extra options for every bench stage, e.g. "--repeats 3"
 bench() { python3 -m flashmoe_science bench "$@" --out "$RESULTS" $BENCH_ARGS 2>&1 | tee -a "$RESULTS/bench.log"; }
@@ -38,8 +39,10 @@ for stage in "${stages[@]}"; do
     attention-fwd) bench attention --mode fwd ;;
     attention-bwd) bench attention --mode bwd ;;
     attention-fwd+bwd) bench attention --mode fwd+bwd --sections throughput ;;
+    attention-varlen-window) bench attention --mode fwd+bwd --sections varlen,window --no-plot ;;
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
+    moe-train) bench moe --mode train ;;
     moe-sweep) bench moe --sweep --no-plot ${MOE_SWEEP_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
