@@ -15,6 +15,9 @@ _EXPORTS = {
     "moe_route": "flashmoe_science.moe",
     "fused_experts": "flashmoe_science.moe",
     "fused_moe": "flashmoe_science.moe",
+    "FlashMoELayer": "flashmoe_science.layers",
+    "FlashMoEScienceAttention": "flashmoe_science.layers",
+    "router_losses": "flashmoe_science.layers",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

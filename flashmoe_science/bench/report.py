@@ -137,10 +137,15 @@ def render_moe(name: str, result: dict) -> str:
         if r.get("ms") is not None:
             grid.setdefault((r["shape"], r["E"], r["top_k"], r["H"], r["I"], r["T"]), {})[r["impl"]] = r
     flops_name = "TFLOP/s (18·T·k·H·I)" if "bwd" in name else "TFLOP/s (6·T·k·H·I)"
-    out = [_source_line(name, meta).rstrip("\n"), "",
-           f"Copy bandwidth measured in the same run: {meta.get('copy_tbps', float('nan')):.2f} TB/s. "
-           "Decode rows (T <= 64) also give the bytes of the experts they touch over the time, as a "
-           "fraction of that bandwidth.", "",
+    out = [_source_line(name, meta).rstrip("\n"), ""]
+    if meta.get("copy_tbps"):
+        out += [f"Copy bandwidth measured in the same run: {meta['copy_tbps']:.2f} TB/s. Decode rows "
+                "(T <= 64) also give the bytes of the experts they touch over the time, as a fraction of "
+                "that bandwidth.", ""]
+    if "bwd" in name:
+        out += ["Forward and backward (gradients for hidden_states, w1, w2 and the router logits) under "
+                "autograd; the error is the largest relative error of the gradients against float64.", ""]
+    out += [
            f"| model (E, k, H, I) | T | ours ms | grouped-mm ms | per-expert loop ms | ours {flops_name} | "
            "ours / grouped-mm [95% CI] | weight bandwidth | path | rel. error ours / PyTorch |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -178,9 +183,36 @@ def _cell(v):
 def render(name: str, result: dict) -> str:
     if name.startswith("attention_"):
         return render_attention(name, result)
-    if name == "moe":
+    if name in ("moe", "moe_fwd_bwd"):
         return render_moe(name, result)
+    if name == "moe_train":
+        return render_moe_train(name, result)
     return render_generic(name, result)
+
+
+def render_moe_train(name: str, result: dict) -> str:
+    """The training check: both loss curves at every logged step, and the step times."""
+    meta = result["meta"]
+    curves: dict = {}
+    for r in result["rows"]:
+        curves.setdefault(r["step"], {})[r["impl"]] = r["loss"]
+    m = meta["model"]
+    model = (f"a {m['depth']}-block model (dim {m['dim']}, {m['heads']} heads, {m['kv_heads']} KV heads, "
+             f"{m['experts']} experts of width {m['expert_dim']}, top-{m['top_k']}; batch {m['batch']} x "
+             f"{m['seqlen']} tokens)")
+    out = [_source_line(name, meta).rstrip("\n"), "",
+           f"{meta['steps']} steps of {model} on the {meta['task']} ({meta['precision']}, {meta['optimizer']}), "
+           f"from the same initial weights: ours {meta['ours_step_ms']:.1f} ms per step, plain PyTorch "
+           f"(SDPA and a per-expert loop) {meta['torch_step_ms']:.1f} ms: **{meta['speedup']:.2f}x**. Final loss "
+           f"{meta['final_loss_ours']:.3f} against {meta['final_loss_torch']:.3f}; largest gap between the curves "
+           f"{100 * meta['max_loss_gap']:.1f}% (tolerance {100 * meta['loss_tolerance']:.0f}%).", "",
+           "| step | loss, ours | loss, plain PyTorch |", "|---|---|---|"]
+    steps = sorted(curves)
+    shown = list(dict.fromkeys(steps[::max(1, len(steps) // 10)] + steps[-1:]))
+    for step in shown:
+        out.append(f"| {step} | {curves[step].get('ours', float('nan')):.4f} | "
+                   f"{curves[step].get('torch', float('nan')):.4f} |")
+    return "\n".join(out) + "\n"
 
 
 def update_readme(results_dir, readme_path, *, check: bool = False) -> bool:
