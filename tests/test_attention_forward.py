@@ -34,6 +34,19 @@ def make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, device, layout="bhsd"):
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+def max_error_tolerance(t):
+    """Max-abs error bound relative to the largest reference value, for t's dtype and device:
+    fp32 products run in tf32 (a 10-bit mantissa) on the GPU."""
+    return 1e-2 if t.is_cuda and t.dtype == torch.float32 else TOL[t.dtype]
+
+
+def lse_tolerance(t):
+    """Absolute bound on lse errors for t's dtype and device."""
+    if t.dtype == torch.float32:
+        return 2e-2 if t.is_cuda else 1e-5
+    return 3e-3
+
+
 def check_against_reference(q, k, v, causal, softmax_scale=None):
     out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
