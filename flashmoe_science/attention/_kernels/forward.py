@@ -51,6 +51,20 @@ def band_blocks(first_row, num_rows, num_cols, diag_lo, diag_hi, BLOCK_ROWS: tl.
 
 
 @triton.jit
+def program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL: tl.constexpr):
+    """(batch, query head, its key/value head, query block) of this program. The grid is 1-D with
+    the query blocks of one head adjacent, so that they share K/V in L2; causal blocks run
+    heaviest first (the last query block sees the most keys), which shortens the tail."""
+    pid = tl.program_id(0)
+    pid_bh = pid // num_m_blocks
+    pid_m = pid % num_m_blocks
+    if CAUSAL:
+        pid_m = num_m_blocks - 1 - pid_m
+    h = pid_bh % num_heads_q
+    return pid_bh // num_heads_q, h, h // group_size, pid_m
+
+
+@triton.jit
 def visible_band(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     """The band of keys query block `pid_m` sees (see the module docstring): returns
@@ -145,16 +159,7 @@ def attention_forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    # A 1-D grid, query blocks of one head adjacent so that they share K/V in L2. Causal blocks
-    # run heaviest first (the last query block sees the most keys), which shortens the tail.
-    pid = tl.program_id(0)
-    pid_bh = pid // num_m_blocks
-    pid_m = pid % num_m_blocks
-    if CAUSAL:
-        pid_m = num_m_blocks - 1 - pid_m
-    b = pid_bh // num_heads_q
-    h = pid_bh % num_heads_q
-    h_kv = h // group_size
+    b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
 
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k,
                                                            VARLEN)

@@ -12,7 +12,7 @@ traffic overlaps the matrix and exponential work.
 import triton
 import triton.language as tl
 
-from .forward import finish, softmax_step, visible_band
+from .forward import finish, program_coordinates, softmax_step, visible_band
 
 
 @triton.jit
@@ -37,14 +37,7 @@ def attention_forward_hopper_kernel(
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_bh = pid // num_m_blocks
-    pid_m = pid % num_m_blocks
-    if CAUSAL:
-        pid_m = num_m_blocks - 1 - pid_m
-    b = pid_bh // num_heads_q
-    h = pid_bh % num_heads_q
-    h_kv = h // group_size
+    b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
