@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
 #   stages: env tests sweep hopper-sweep backward-sweep attention-small attention-fwd attention-bwd
-#           attention-fwd+bwd attention-varlen-window moe moe-fwd+bwd moe-train moe-sweep
+#           attention-fwd+bwd attention-varlen-window moe moe-fwd+bwd moe-train moe-sweep moe-bwd-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
@@ -44,6 +44,7 @@ for stage in "${stages[@]}"; do
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;
     moe-sweep) bench moe --sweep --no-plot ${MOE_SWEEP_ARGS:-} ;;
+    moe-bwd-sweep) bench moe --sweep --mode fwd+bwd --no-plot ${MOE_BWD_SWEEP_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -102,6 +102,15 @@ def test_autograd_through_flash_attention_science(device):
     assert_grads_close((q.grad, k.grad, v.grad), reference_grads(q, k, v, grad_out, True), torch.float32)
 
 
+def test_gradients_of_packed_qkv_slices_are_dense_in_its_order(device):
+    qkv = torch.randn(2, 19, 3, 2, 32, device=device)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    grad_out = torch.randn_like(q)
+    grads = run_backward(q, k, v, grad_out, causal=True)
+    assert all(g.transpose(1, 2).is_contiguous() for g in grads)
+    assert_grads_close(grads, reference_grads(q, k, v, grad_out, True), torch.float32)
+
+
 def test_strided_inputs_and_grad_output(device):
     """(B, S, H, D).transpose(1, 2) views are read in place, a grad_output with a non-unit stride
     in D is copied, and the gradients keep the inputs' layouts and equal the contiguous run's."""

@@ -61,3 +61,20 @@ def test_varlen_and_window_sections_rows_and_report():
     rendered = report.render(result["name"], result)
     assert "Variable-length batch (fwd+bwd)" in rendered and "Causal sliding window (fwd+bwd)" in rendered
     assert "SDPA padded + mask" in rendered
+
+
+def test_packed_layouts_hold_the_measured_sequence_and_flex_documents():
+    lengths, index = [5, 130, 7], 1
+    documents, layouts = attention._packed_layouts(lengths, index, torch.device("cpu"))
+    packed = torch.randn(sum(lengths), 2, 4)
+    for name, layout in layouts.items():
+        assert torch.equal(layout.sequence(layout.to_layout(packed)), packed[5:135]), name
+    # FlexAttention's rows: the packed tokens, then padding to its block size as one more document.
+    flex = layouts["flex_document"].to_layout(packed)
+    assert flex.shape == (1, 2, 256, 4) and len(documents) == 256
+    assert documents[:142].tolist() == [0] * 5 + [1] * 130 + [2] * 7 and set(documents[142:].tolist()) == {3}
+    assert not flex[0, :, 142:].any()
+    causal = attention._document_mask(documents, True)
+    rows = torch.arange(256)
+    visible = causal(0, 0, rows[:, None], rows[None, :])
+    assert visible[140, 136] and not visible[136, 140] and not visible[142, 141] and visible[200, 150]

@@ -2,11 +2,13 @@
 benchmark shows here rather than after a GPU run."""
 import argparse
 import math
+from dataclasses import asdict, astuple
 
 import pytest
 import torch
 
 from flashmoe_science.bench import moe
+from flashmoe_science.moe import configs
 
 
 def parse(*argv):
@@ -38,6 +40,51 @@ def test_sweep_prints_a_table_for_each_bucket():
     assert table.splitlines()[1] == "EXPERTS[80][4] = ("
     assert "    (8, X(" in table and "    (None, X(" in table
     assert {r["gemm"] for r in result["rows"]} == {"gate_up", "down"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers this at real shapes")
+def test_backward_sweep_times_each_kernel_and_prints_table_entries():
+    result = moe.run(parse("--sweep", "--mode", "fwd+bwd", "--tokens", "33", "40"))
+    rows = result["rows"]
+    assert result["name"] == "moe_backward_sweep"
+    # --quick: two candidates per kernel (the table's first), both right (fp32 on the CPU).
+    for kernel in moe.BACKWARD_KERNELS:
+        for T in (33, 40):
+            ran = [r for r in rows if r["kernel"] == kernel and r["T"] == T]
+            assert len(ran) == 2 and all(r["error"] is None and r["rel_diff"] < 1e-5 for r in ran), ran
+    table = result["meta"]["best_configs"]
+    assert moe.summarize(result) == table
+    # Every case lays out blocks of 64 rows (fp32 table), so one BACKWARD entry, naming timed configurations.
+    (line,) = [line for line in table.splitlines() if not line.startswith("#")]
+    target, source = line.split(" = ")
+    assert target == "BACKWARD[80][4][64]"
+    entry = eval(source, {"B": configs.BackwardConfig, "G": configs.GemmConfig, "W": configs.WeightGradConfig})
+    for kernel in moe.BACKWARD_KERNELS:
+        cfg = getattr(entry, kernel)
+        assert type(cfg) is type(getattr(configs.BACKWARD[80][4][64], kernel))
+        assert {r["T"] for r in rows if r["kernel"] == kernel and moe._config_values(type(cfg), r) == astuple(cfg)} \
+            == {33, 40}, kernel
+
+
+def test_backward_best_table_marks_kept_entries_and_skips_wrong_candidates():
+    """Picks by the sum of time over each case's best; a wrong or failed candidate never wins, and a
+    kernel with no candidate right on every case keeps the table's entry."""
+    table = configs.BACKWARD[90][2]
+    def row(kernel, T, cfg, ms, error=None):
+        return {"shape": "s", "T": T, "forward_block_m": 128, "kernel": kernel, "block_m": 128, **asdict(cfg),
+                "ms": ms, "error": error}
+    fast, slow = configs.GemmConfig(64, 64, 8, 8, 3), configs.GemmConfig(256, 64, 8, 8, 4)
+    rows = [row("grad_gate_up", 1, fast, 1.0), row("grad_gate_up", 2, fast, 4.0),
+            row("grad_gate_up", 1, slow, 1.5), row("grad_gate_up", 2, slow, 2.0),  # 1 + 2 > 1.5 + 1
+            row("grad_x", 1, fast, 0.1, "wrong: outputs differ"), row("grad_x", 1, slow, 1.0),
+            row("grad_x", 2, fast, 1.0), row("grad_x", 2, slow, 1.0)]
+    w = configs.WeightGradConfig(64, 128, 32, 8, 4, 4)
+    rows += [row("grad_w1", T, w, 1.0) for T in (1, 2)] + [row("grad_w2", 1, w, 1.0)]
+    text = moe._best_backward_table(rows, table, 90, 2, torch.bfloat16)
+    w2 = astuple(table[128].grad_w2)
+    assert text.splitlines()[1] == (f"BACKWARD[90][2][128] = B(G(256, 64, 8, 8, 4), G(256, 64, 8, 8, 4), "
+                                    f"W(64, 128, 32, 8, 4, 4), W{w2})  # the table's grad_w2: no candidate "
+                                    f"right on every case")
 
 
 def test_plot(tmp_path):

@@ -203,10 +203,10 @@ C = AttentionConfig
 # BACKWARD[family][element bytes][padded head dim]. Registers bound the blocks more than shared
 # memory: a dK/dV program holds two fp32 accumulators of block_n x D plus the fp32 score tiles
 # S^T and dP^T of block_n x block_m, a dQ program one accumulator of block_m x D plus S and dP.
-# On Hopper, 8 warps (two warpgroups for wgmma) with 128 resident keys at D <= 128 and 64 at
-# D = 256. Checked with `ptxas -v` and the SASS: the 16-bit entries spill no register inside a
-# loop on any family, except the dK/dV kernel at D = 256 on Hopper (a few spills per step; every
-# alternative spills more). fp32 runs tf32 products, whose wgmma operands sit in registers, so
+# On Hopper, 8 warps (two warpgroups for wgmma) with 128 resident keys at D = 128, four-warp
+# 64 x 64 tiles at D = 64, 64 resident keys at D = 256. Checked with `ptxas -v` and the SASS:
+# the 16-bit entries spill no register inside a loop on any family, except the dK/dV kernel at
+# D = 256 on Hopper (424 bytes: measured faster than the 32-row-step tile, which spills 92). fp32 runs tf32 products, whose wgmma operands sit in registers, so
 # its Hopper entries at D >= 128 spill: fp32 is there for correctness more than speed. Shared
 # memory holds the resident pair (K, V or Q, dO) plus one streamed pair per stage, which is
 # what limits the 99 KB parts.
@@ -214,9 +214,13 @@ BACKWARD = {
     90: {
         2: {16: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
             32: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
-            64: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
-            128: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),  # H200 sweep, S = 4096: 364 vs 337 TFLOP/s with 2 stages
-            256: B(C(32, 64, 8, 2), C(64, 64, 8, 2))},
+            # H100 sweep, S = 4096 (benchmarks/results/attention_backward_sweep.json): at D = 64,
+            # four-warp 64 x 64 tiles for both kernels (each alone: 4.87 -> 4.29 and 4.37 ms);
+            # at D = 256, 64 resident keys and 128 resident rows with 32-row steps (each alone:
+            # 8.82 -> 7.79 and 7.65 ms). D = 128 was already the best candidate.
+            64: B(C(64, 64, 4, 3), C(64, 64, 4, 3)),
+            128: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
+            256: B(C(64, 64, 8, 2), C(128, 32, 8, 2))},
         4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
             32: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
             64: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),

@@ -173,10 +173,18 @@ def check_band(window_size, softcap) -> tuple[int, int]:
 
 
 def _output_like(q: torch.Tensor) -> torch.Tensor:
-    """The output takes q's memory layout (so a (B, S, H, D).transpose(1, 2) view stays one)."""
+    """A dense tensor shaped like q whose dimensions lie in memory in the order of q's strides,
+    so a (B, S, H, D).transpose(1, 2) view gets a (B, S, H, D) result: also when q is a slice of
+    a packed QKV projection, where empty_like falls back to a contiguous (B, H, S, D) tensor and
+    the caller's transpose back to (B, S, H * D) would cost a copy."""
     if q.stride(-1) != 1:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return torch.empty_like(q)
+    order = sorted(range(q.dim()), key=lambda i: -q.stride(i))  # outermost first; stable on ties
+    if order[-1] != q.dim() - 1:  # a size-1 head dim with a tied stride: keep it innermost
+        order.remove(q.dim() - 1)
+        order.append(q.dim() - 1)
+    out = torch.empty([q.shape[i] for i in order], dtype=q.dtype, device=q.device)
+    return out.permute(sorted(range(q.dim()), key=order.__getitem__))
 
 
 def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse):

