@@ -3,7 +3,7 @@
 # written under $OUT and packed into one archive (the device tool returns at most 8 files).
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
-#   stages: env tests sweep hopper-sweep backward-sweep attention-small attention-fwd attention-bwd
+#   stages: env tests sweep hopper-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window moe moe-fwd+bwd moe-train moe-sweep moe-bwd-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
@@ -34,6 +34,11 @@ for stage in "${stages[@]}"; do
     hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
     backward-sweep)
       python3 -m flashmoe_science.bench.backward_sweep --head-dims "${HEAD_DIMS:-128}" --seqlens 4096 \
+        --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
+    window-sweep)  # forward (generic and Hopper) and backward candidates on causal windows of $WINDOW at S = 16384
+      bench attention --sweep --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" --no-plot
+      bench attention --sweep-hopper --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" --no-plot
+      python3 -m flashmoe_science.bench.backward_sweep --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" \
         --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
     attention-small) bench attention --mode fwd --sections overhead,small --no-plot ;;
     attention-fwd) bench attention --mode fwd ;;

@@ -78,3 +78,12 @@ def test_packed_layouts_hold_the_measured_sequence_and_flex_documents():
     rows = torch.arange(256)
     visible = causal(0, 0, rows[:, None], rows[None, :])
     assert visible[140, 136] and not visible[136, 140] and not visible[142, 141] and visible[200, 150]
+
+
+def test_sweep_cases_plain_and_causal_or_one_sliding_window():
+    assert attention._sweep_cases(parse("--sweep", "--head-dims", "64", "--seqlens", "128")) == [
+        (64, 128, False, (-1, -1)), (64, 128, True, (-1, -1))]
+    windowed = attention._sweep_cases(parse("--sweep", "--head-dims", "64,128", "--seqlens", "16384",
+                                            "--window", "1024"))
+    assert windowed == [(64, 16384, True, (1024, 0)), (128, 16384, True, (1024, 0))]
+    assert attention._sweep_row("sweep", 64, 16384, True, (1024, 0))["window"] == 1024

@@ -51,13 +51,15 @@ def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_sp
 
 
 def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, warp_specialize: bool,
-                             write_lse: bool = False):
+                             write_lse: bool = False, window_size=(-1, -1)):
     """Forward through the Hopper kernel with an explicit AttentionConfig; returns (out, lse).
 
-    q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true.
+    q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true;
+    window_size as for `flash_attention_science` (with causal, the right bound is 0).
     """
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
-    launch(q, k, v, out, lse, softmax_scale, 0.0, config, (-1, 0 if causal else -1), causal=causal,
+    left, right = window_size
+    launch(q, k, v, out, lse, softmax_scale, 0.0, config, (left, 0 if causal else right), causal=causal,
            warp_specialize=warp_specialize, device_index=q.device.index)
     return out, lse

@@ -8,7 +8,9 @@ Sections (rows carry a "section" column):
   cuDNN and memory-efficient backends, and compiled FlexAttention.
 - memory (modes with a backward): peak memory of forward+backward, ours against SDPA's math backend.
 - train: forward+backward of a small transformer block on our attention against SDPA's default.
-- sweep (with --sweep): every candidate forward configuration on the throughput shapes.
+- sweep (with --sweep): every candidate forward configuration on the throughput shapes; with
+  --sweep-hopper the Hopper TMA kernel's candidates against the generic kernel. With --window W
+  both time causal sliding-window calls of left window W instead (attention_sweep_windowW).
 - varlen (only when listed in --sections): a packed batch of about 16k tokens whose lengths are
   drawn uniformly from 64 to 2048 (fixed seed), D = 128, Hq*D = 2048, bf16, causal and not: ours
   against SDPA on the zero-padded batch with a key-padding mask and against compiled
@@ -29,7 +31,8 @@ import triton
 import triton.language as tl
 
 from ..attention import attention_reference, flash_attention_science, flash_attention_varlen
-from ..device import interpreter_active
+from ..attention.configs import forward_config
+from ..device import info_for, interpreter_active
 from .common import (attention_flops, attention_pairs, max_abs_error, rel_error, speedup_interval, time_gpu,
                      time_wall)
 
@@ -52,6 +55,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate forward config instead")
     parser.add_argument("--sweep-hopper", action="store_true",
                         help="time the Hopper TMA forward kernel's candidates against the generic kernel instead")
+    parser.add_argument("--window", type=int, default=None,
+                        help="with --sweep or --sweep-hopper: time causal sliding-window calls of this left window "
+                             "(window_size=(W, 0)) instead of plain and causal ones")
 
 
 def _ints(text):
@@ -568,19 +574,34 @@ def forward_candidates(element_size, block_d):
             yield AttentionConfig(bm, bn, warps, stages)
 
 
+def _sweep_cases(args):
+    """(head dim, sequence length, causal, window_size) of a sweep: plain and causal calls, or
+    causal calls with the left window of --window."""
+    if args.window is None:
+        variants = [(False, (-1, -1)), (True, (-1, -1))]
+    else:
+        variants = [(True, (args.window, 0))]
+    return [(d, s, causal, window) for d, s, (causal, window) in
+            itertools.product(_ints(args.head_dims), _ints(args.seqlens), variants)]
+
+
+def _sweep_row(section, head_dim, seqlen, causal, window_size, **fields) -> dict:
+    return dict(section=section, head_dim=head_dim, seqlen=seqlen, causal=causal,
+                window=None if window_size[0] < 0 else window_size[0], **fields)
+
+
 def _sweep(args, device):
     from ..attention.interface import attention_forward
     rows = []
-    cases = list(itertools.product(_ints(args.head_dims), _ints(args.seqlens), [False, True]))
-    for head_dim, seqlen, causal in args.progress(cases, desc="attention sweep"):
+    for head_dim, seqlen, causal, window in args.progress(_sweep_cases(args), desc="attention sweep"):
         heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
         q, k, v = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device)
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, "fwd", window)
         for cfg in forward_candidates(2, max(16, 1 << (head_dim - 1).bit_length())):
-            row = dict(section="sweep", mode="fwd", head_dim=head_dim, seqlen=seqlen, causal=causal,
-                       block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            row = _sweep_row("sweep", head_dim, seqlen, causal, window, mode="fwd", block_m=cfg.block_m,
+                             block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             try:
-                t = time_gpu(lambda: attention_forward(q, k, v, causal, None, False, cfg),
+                t = time_gpu(lambda: attention_forward(q, k, v, causal, None, False, cfg, window),
                              warmup_ms=5, rep_ms=25, repeats=1)
             except Exception as exc:  # out of resources for this candidate
                 row.update(error=type(exc).__name__)
@@ -591,7 +612,7 @@ def _sweep(args, device):
 
 
 HOPPER_CANDIDATES = {64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
-                     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)],
+                     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
                      256: [(128, 64, 8, 2), (64, 64, 4, 2)]}
 
 
@@ -600,23 +621,29 @@ def _hopper_sweep(args, device):
     shipped configuration, on the throughput shapes; errors are relative to the generic output."""
     from ..attention import hopper
     from ..attention.configs import AttentionConfig
+    from ..attention.interface import attention_forward
     rows = []
-    cases = list(itertools.product(_ints(args.head_dims), _ints(args.seqlens), [False, True]))
-    for head_dim, seqlen, causal in args.progress(cases, desc="attention hopper sweep"):
+    for head_dim, seqlen, causal, window in args.progress(_sweep_cases(args), desc="attention hopper sweep"):
         heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
         q, k, v = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device)
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, "fwd", window)
         scale = head_dim ** -0.5
-        generic = flash_attention_science(q, k, v, causal=causal)
-        t = time_gpu(lambda: flash_attention_science(q, k, v, causal=causal), warmup_ms=5, rep_ms=25, repeats=1)
-        rows.append(dict(section="hopper_sweep", head_dim=head_dim, seqlen=seqlen, causal=causal, impl="generic",
-                         ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12))
+        table = forward_config(info_for(q), q.element_size(), head_dim, seqlen, batch * heads)
+
+        def generic_call():  # the generic kernel with the table's configuration, whatever the dispatcher picks
+            return attention_forward(q, k, v, causal, None, False, table, window)[0]
+
+        generic = generic_call()
+        t = time_gpu(generic_call, warmup_ms=5, rep_ms=25, repeats=1)
+        rows.append(_sweep_row("hopper_sweep", head_dim, seqlen, causal, window, impl=f"generic {table}",
+                               ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12))
         for (bm, bn, warps, stages), ws in itertools.product(HOPPER_CANDIDATES.get(head_dim, []), (False, True)):
             cfg = AttentionConfig(bm, bn, warps, stages)
-            row = dict(section="hopper_sweep", head_dim=head_dim, seqlen=seqlen, causal=causal,
-                       impl=f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}")
+            row = _sweep_row("hopper_sweep", head_dim, seqlen, causal, window,
+                             impl=f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}")
             try:
-                fn = lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws)  # noqa: E731
+                fn = lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws,  # noqa: E731
+                                                             window_size=window)
                 out, _ = fn()
                 t = time_gpu(fn, warmup_ms=5, rep_ms=25, repeats=1)
             except Exception as exc:
@@ -631,10 +658,11 @@ def _hopper_sweep(args, device):
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = {"mode": args.mode, "tokens_per_batch": TOKENS, "hidden": HIDDEN}
+    suffix = "" if args.window is None else f"_window{args.window}"
     if args.sweep:
-        return {"name": "attention_sweep", "rows": _sweep(args, device), "meta": meta}
+        return {"name": f"attention_sweep{suffix}", "rows": _sweep(args, device), "meta": meta}
     if args.sweep_hopper:
-        return {"name": "attention_hopper_sweep", "rows": _hopper_sweep(args, device), "meta": meta}
+        return {"name": f"attention_hopper_sweep{suffix}", "rows": _hopper_sweep(args, device), "meta": meta}
     default = ["overhead", "small", "throughput"] if args.mode == "fwd" else ["throughput", "memory", "train"]
     sections = args.sections.split(",") if args.sections else default
     mode = args.mode.replace("+", "_")
@@ -707,7 +735,7 @@ def summarize(result: dict) -> str:
             label = r.get("impl") or f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
             table.setdefault(key, {})[label] = r["tflops"]
     for (d, s, causal), by_impl in sorted(table.items()):
-        if result["name"] == "attention_sweep":
+        if result["name"].startswith("attention_sweep"):
             best = sorted(by_impl.items(), key=lambda kv: -kv[1])[:3]
             lines.append(f"D={d} S={s} causal={causal}: " + ", ".join(f"{k} {v:.0f}" for k, v in best))
         else:

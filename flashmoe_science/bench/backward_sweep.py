@@ -1,7 +1,7 @@
 """Time the candidate attention-backward configurations on a GPU, to tune `configs.BACKWARD`.
 
     python -m flashmoe_science.bench.backward_sweep [--head-dims 64,128,256] [--seqlens 4096]
-                                                    [--out DIR]
+                                                    [--window W] [--out DIR]
 
 For each head dim, sequence length and causal flag, at the throughput benchmark's shapes (16k
 tokens per batch, Hq * D = 2048, bf16, (B, S, H, D) layout), it times the backward alone
@@ -10,7 +10,8 @@ tokens per batch, Hq * D = 2048, bf16, (B, S, H, D) layout), it times the backwa
 count 2.5x the forward FLOPs, and each candidate's gradients are compared with the table
 configuration's. The rows go to DIR/attention_backward_sweep.{json,csv}; the best correct
 configuration per case is printed in the table's notation. Each candidate compiles once (a few
-seconds); the causal flag does not recompile.
+seconds); the causal flag does not recompile. With --window W the cases are causal sliding-window
+calls of left window W instead (window_size=(W, 0)), written to attention_backward_sweep_windowW.
 """
 from __future__ import annotations
 
@@ -31,26 +32,31 @@ MAX_REL_DIFF = 1e-2  # a candidate whose gradients differ more from the table's 
 
 
 def sweep(head_dims=(64, 128, 256), seqlens=(4096,), causals=(False, True), dtype=torch.bfloat16,
-          device="cuda", tokens=TOKENS) -> list[dict]:
+          device="cuda", tokens=TOKENS, window=None, hidden=HIDDEN) -> list[dict]:
     """One row per (head dim, sequence length, causal, candidate): ms and TFLOP/s, or the error
-    that kept the candidate from running (such as too little shared memory)."""
+    that kept the candidate from running (such as too little shared memory). With `window`, the
+    calls are causal with that left window (`causals` is ignored)."""
     rows = []
-    cases = list(itertools.product(head_dims, seqlens, causals))
+    window_size = (-1, -1) if window is None else (window, 0)
+    cases = list(itertools.product(head_dims, seqlens, causals if window is None else (True,)))
     for head_dim, seqlen, causal in progress(cases, desc="backward sweep"):
-        heads, batch = HIDDEN // head_dim, max(1, tokens // seqlen)
+        heads, batch = hidden // head_dim, max(1, tokens // seqlen)
         q, k, v, grad_out = (torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
                              for _ in range(4))
-        out, lse = attention_forward(q, k, v, causal, None, True)
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, mode="bwd")
+        out, lse = attention_forward(q, k, v, causal, None, True, window_size=window_size)
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, "bwd", window_size)
         family = info_for(q).arch_family
         table_grads = None
+
+        def backward(cfg):
+            return attention_backward(grad_out, q, k, v, out, lse, causal, None, window_size, config=cfg)
+
         for rank, cfg in enumerate(backward_candidates(family, q.element_size(), head_dim_block(head_dim))):
-            row = dict(head_dim=head_dim, seqlen=seqlen, causal=causal, table_config=rank == 0, config=str(cfg),
-                       dkdv=_fields(cfg.dkdv), dq=_fields(cfg.dq))
+            row = dict(head_dim=head_dim, seqlen=seqlen, causal=causal, window=window, table_config=rank == 0,
+                       config=str(cfg), dkdv=_fields(cfg.dkdv), dq=_fields(cfg.dq))
             try:
-                grads = attention_backward(grad_out, q, k, v, out, lse, causal, None, config=cfg)
-                t = time_gpu(lambda: attention_backward(grad_out, q, k, v, out, lse, causal, None, config=cfg),
-                             warmup_ms=5, rep_ms=25, repeats=1)
+                grads = backward(cfg)
+                t = time_gpu(lambda: backward(cfg), warmup_ms=5, rep_ms=25, repeats=1)
             except Exception as exc:  # a candidate that does not fit this GPU
                 row.update(error=f"{type(exc).__name__}: {exc}"[:200])
             else:
@@ -89,13 +95,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--seqlens", default="4096")
+    parser.add_argument("--window", type=int, default=None, help="causal sliding-window calls of this left window")
     parser.add_argument("--out", default="out/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the backward sweep times GPU kernels; no GPU here", file=sys.stderr)
         return 2
-    rows = sweep(tuple(int(x) for x in args.head_dims.split(",")), tuple(int(x) for x in args.seqlens.split(",")))
-    write_results(args.out, "attention_backward_sweep", rows, {"environment": environment()})
+    rows = sweep(tuple(int(x) for x in args.head_dims.split(",")), tuple(int(x) for x in args.seqlens.split(",")),
+                 window=args.window)
+    name = "attention_backward_sweep" + ("" if args.window is None else f"_window{args.window}")
+    write_results(args.out, name, rows, {"environment": environment()})
     print("\n".join(best_per_case(rows)))
     return 0
 
