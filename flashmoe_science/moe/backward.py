@@ -117,24 +117,29 @@ def launch_grad_x(key, plan: BackwardPlan, grad_gate_up, w1, grad_x_pairs, sorte
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
+def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, gathered_stride, row_tokens,
+                        expert_blocks) -> None:
+    """One weight-gradient kernel (`name`: grad_w1 or grad_w2): `operands` are its two inputs and
+    its output in the kernel's argument order, `gathered_stride` the row stride of the input it
+    gathers by token."""
+    g = getattr(plan.config, name)
+    launcher.launch(
+        key, plan.grids[name],
+        (*operands, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m, gathered_stride, g.block_m,
+         g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0),
+        num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
+
+
 def launch_grad_w1(key, plan: BackwardPlan, grad_gate_up, x, grad_w1, row_tokens, expert_blocks) -> None:
     """grad_w1 (E, 2I, H): grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e]."""
-    g = plan.config.grad_w1
-    _GRAD_W1.launch(
-        key, plan.grids["grad_w1"],
-        (grad_gate_up, x, grad_w1, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m,
-         x.stride(0), g.block_m, g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0),
-        num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
+    _launch_weight_grad(_GRAD_W1, "grad_w1", key, plan, (grad_gate_up, x, grad_w1), x.stride(0), row_tokens,
+                        expert_blocks)
 
 
 def launch_grad_w2(key, plan: BackwardPlan, grad_out, weighted_h, grad_w2, row_tokens, expert_blocks) -> None:
     """grad_w2 (E, H, I): grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e]."""
-    g = plan.config.grad_w2
-    _GRAD_W2.launch(
-        key, plan.grids["grad_w2"],
-        (grad_out, weighted_h, grad_w2, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m,
-         grad_out.stride(0), g.block_m, g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0),
-        num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
+    _launch_weight_grad(_GRAD_W2, "grad_w2", key, plan, (grad_out, weighted_h, grad_w2), grad_out.stride(0),
+                        row_tokens, expert_blocks)
 
 
 def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
