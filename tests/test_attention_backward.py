@@ -306,9 +306,16 @@ def test_backward_dispatcher_only_picks_shipped_configs(capability):
     """Whatever the dispatcher picks is among the builds the compile-and-fit check compiles."""
     shipped = set(backward_configs(capability))
     device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
-    for element_size, head_dim in itertools.product((2, 4), (16, 24, 40, 64, 80, 96, 128, 160, 192, 256)):
-        cfg = backward_config(device, element_size, head_dim)
+    for element_size, head_dim, packed_causal in itertools.product(
+            (2, 4), (16, 24, 40, 64, 80, 96, 128, 160, 192, 256), (False, True)):
+        cfg = backward_config(device, element_size, head_dim, packed_causal)
         assert (element_size, head_dim_block(head_dim), cfg) in shipped
+
+
+@pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
+def test_dispatched_backward_configs_are_reproducible(capability):
+    """The public functions promise bitwise-reproducible gradients: no table takes a fused dQ path."""
+    assert {cfg.dq_path for _, _, cfg in backward_configs(capability)} == {"kernel"}
 
 
 @pytest.mark.parametrize("family", [90, 80, 89])
@@ -318,6 +325,55 @@ def test_backward_sweep_candidates_start_with_the_table_and_vary_one_kernel(fami
         candidates = list(backward_candidates(family, element_size, block_d))
         assert candidates[0] == base and len(set(candidates)) == len(candidates)
         assert all(c.dkdv == base.dkdv or c.dq == base.dq for c in candidates)
+        fused = {c.dq_path for c in candidates} - {"kernel"}
+        expected = {"atomic", "tma"} if family == 90 else {"atomic"}
+        assert fused == expected if (element_size, block_d) == (2, 64) else fused <= expected
+        only_tma = list(backward_candidates(family, element_size, block_d, ("tma",)))
+        assert only_tma[0] == base and all(c.dq_path == "tma" for c in only_tma[1:])
+
+
+# A fused dQ (the dK/dV kernel adds dQ with atomic adds) on tiny blocks: dQ rows of several key
+# blocks and GQA heads meet in one accumulator.
+FUSED_TINY_BLOCKS = BackwardConfig(TINY_BLOCKS.dkdv, TINY_BLOCKS.dq, "atomic")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,dtype,layout", [
+    (2, 4, 2, 37, 53, 32, torch.float32, "bhsd"),   # GQA, tails in both lengths
+    (1, 3, 1, 70, 45, 24, torch.float32, "bshd"),   # MQA, Sq > Sk (causal rows without keys), padded D
+    (1, 2, 2, 33, 33, 64, torch.float16, "bshd"),
+])
+def test_fused_dq_matches_reference(B, Hq, Hkv, Sq, Sk, D, dtype, layout, causal, device, poisoned_allocations):
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, device, layout=layout)
+    grad_out = torch.randn_like(q)
+    grads = run_backward(q, k, v, grad_out, causal, FUSED_TINY_BLOCKS)
+    assert_grads_close(grads, reference_grads(q, k, v, grad_out, causal), dtype)
+    assert grads[0].stride() == q.stride() and grads[0].dtype == dtype
+
+
+@pytest.mark.parametrize("path", ["atomic", pytest.param("tma", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_dq_of_packed_sequences(path, causal, device):
+    """Packed sequences: each dQ block lands in its own sequence's rows (the TMA path adds exact
+    zeros past a sequence's end into the next one's)."""
+    from flashmoe_science.attention.interface import _BackwardPlan, run_backward as launch_backward
+    from flashmoe_science.attention.varlen import varlen_backward, varlen_forward
+    from test_attention_varlen import make_packed
+
+    if path == "tma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("TMA reduce-adds need sm90")
+    lengths = [37, 0, 5, 64, 20]
+    dtype = torch.bfloat16 if path == "tma" else torch.float32
+    q, k, v, cu, _ = make_packed(lengths, lengths, 4, 2, 64, dtype, device)
+    out, lse = varlen_forward(q, k, v, cu, cu, max(lengths), max(lengths), causal, None, True)
+    grad_out = torch.randn_like(out)
+    expected = varlen_backward(grad_out, q, k, v, out, lse, cu, cu, max(lengths), max(lengths), causal, None)
+    config = BackwardConfig(TINY_BLOCKS.dkdv, TINY_BLOCKS.dq, path)
+    tensors = (grad_out, q, k, v, out, lse)
+    plan = _BackwardPlan(tensors, len(lengths), max(lengths), max(lengths), causal, (-1, -1), 0.0, True, config)
+    grads = launch_backward(plan, None, *tensors, cu, cu, None, None)
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+        assert rel_error(g, e) < (1e-2 if dtype == torch.bfloat16 else 1e-5), name
 
 
 # ---- GPU: bf16, realistic sizes and D = 256, error compared with PyTorch's own ----
@@ -376,6 +432,25 @@ def test_gpu_deterministic_and_fully_written(D):
     for first, second in zip(*runs):
         assert torch.isfinite(first).all()
         assert torch.equal(first, second)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["atomic", "tma"])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D", [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 513, 777, 256), (1, 8, 8, 300, 300, 64)])
+def test_gpu_fused_dq_within_twice_pytorch(B, Hq, Hkv, Sq, Sk, D, path):
+    """The fused dQ paths (sweep candidates) on the GPU, in bf16, against PyTorch's own error,
+    NaN-poisoned so that an unwritten dQ element would show."""
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, "cuda", layout="bshd")
+    grad_out = torch.randn_like(q)
+    dkdv = BACKWARD[90][2][head_dim_block(D)].dkdv if D != 256 else AttentionConfig(32, 64, 8, 2)
+    poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    del poison
+    ours = run_backward(q, k, v, grad_out, True, BackwardConfig(dkdv, TINY_BLOCKS.dq, path))
+    refs = reference_grads(q, k, v, grad_out, True)
+    theirs = _pytorch_grads(q, k, v, grad_out, True)
+    for name, g, t, ref in zip(("dq", "dk", "dv"), ours, theirs, refs):
+        assert torch.isfinite(g).all(), name
+        assert rel_error(g, ref) <= 2 * rel_error(t, ref) + 5e-4, (name, rel_error(g, ref), rel_error(t, ref))
 
 
 @pytest.mark.gpu

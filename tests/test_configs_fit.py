@@ -2,6 +2,8 @@
 that target's shared memory. Compiling for a GPU target needs no GPU; it does need Triton's
 compiler rather than its interpreter, so the check runs in a subprocess without
 TRITON_INTERPRET."""
+import itertools
+
 import pytest
 
 from flashmoe_science.attention.configs import forward_config, forward_configs
@@ -30,7 +32,7 @@ def test_dispatcher_only_picks_shipped_forward_configs(capability):
         for element_size in (2, 4):
             for head_dim in (16, 24, 40, 64, 80, 96, 128, 160, 192, 256):
                 for seqlen_q in (1, 64, 200, 4096):
-                    for batch_heads in (1, 8, 512):
-                        cfg = forward_config(device, element_size, head_dim, seqlen_q, batch_heads)
+                    for batch_heads, packed in itertools.product((1, 8, 512), (False, True)):
+                        cfg = forward_config(device, element_size, head_dim, seqlen_q, batch_heads, packed)
                         block_d = max(16, 1 << (head_dim - 1).bit_length())
                         assert (element_size, block_d, cfg) in shipped

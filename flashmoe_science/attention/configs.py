@@ -90,10 +90,14 @@ del C
 
 
 # The Hopper forward (TMA descriptors, `attention/hopper.py`) for 16-bit inputs, by padded head
-# dim. Measured on an H200 (benchmarks/results/attention_hopper_sweep.json, S = 4096, bf16):
-# 513 against the generic kernel's 481 TFLOP/s at D = 128 (447 vs 425 causal), 491 vs 485 at
-# D = 256; Triton 3.6 does not warp-specialise this loop on sm90, so WARP_SPECIALIZE stays off.
-HOPPER_FORWARD = {128: AttentionConfig(128, 64, 8, 3), 256: AttentionConfig(128, 64, 8, 2)}
+# dim. D = 128, measured on an H100 (benchmarks/results/attention_hopper_sweep.json, bf16, S = 1024
+# to 16384): four-warp 64 x 64 tiles, two programs per SM, beat one eight-warp 128 x 64 program
+# everywhere, by 14-20% at S = 1024 and 3-9% at S = 4096 and 16384 (549 against 515 TFLOP/s at
+# S = 4096, 500 against 459 causal), and by 10% on causal windows of 1024 at S = 16384
+# (attention_hopper_sweep_window1024.json). D = 256 from an H200 sweep (491 against the generic
+# kernel's 485 TFLOP/s at S = 4096). Triton 3.6's warp specialisation fails to compile this loop
+# at four warps and gains at most 2% at eight, so WARP_SPECIALIZE stays off.
+HOPPER_FORWARD = {128: AttentionConfig(64, 64, 4, 3), 256: AttentionConfig(128, 64, 8, 2)}
 # Below this many FLOPs the generic kernel runs: building four tensor descriptors costs host time
 # that a short kernel cannot hide.
 HOPPER_MIN_FLOPS = 2e10
@@ -107,14 +111,19 @@ def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, 
 
 
 def forward_config(device: DeviceInfo, element_size: int, head_dim: int, seqlen_q: int,
-                   batch_heads: int) -> AttentionConfig:
+                   batch_heads: int, packed: bool = False) -> AttentionConfig:
     """The forward configuration for a call on `device`."""
     family = FORWARD[device.arch_family][element_size][head_dim_block(head_dim)]
     long_cfg, short_cfg = family
     # With few query blocks, halving BLOCK_M doubles the programs in flight; below that, the
-    # short config also wastes less work on padding rows (decode: Sq = 1).
+    # short config also wastes less work on padding rows (decode: Sq = 1). Packed batches on
+    # Hopper take it too: their sequences are mostly shorter than the grid's longest, so each
+    # program's loop is short and two programs per SM hide each other's prologue and epilogue
+    # (a one-off A/B on an H100, the benchmark's batch of 64 to 2048 tokens at D = 128: 0.47
+    # against 0.49 ms, causal 0.29 against 0.32 ms).
     programs = -(-seqlen_q // long_cfg.block_m) * batch_heads
-    if seqlen_q <= short_cfg.block_m or programs < device.sm_count:
+    short_loops = packed and device.arch_family == 90 and head_dim_block(head_dim) <= 128
+    if seqlen_q <= short_cfg.block_m or programs < device.sm_count or short_loops:
         return short_cfg
     return long_cfg
 
@@ -189,12 +198,21 @@ class BackwardConfig:
         on chip), block_m query rows per step (Q and dO stream through `num_stages` buffers).
     dq: the dQ kernel; block_m query rows per program (Q, dO and the fp32 dQ accumulator stay on
         chip), block_n keys per step (K and V stream).
+    dq_path: how dQ is computed. "kernel", the dQ kernel; "atomic", the dK/dV kernel adds each
+        block's dQ rows into an fp32 accumulator with atomic adds; "tma", the same with whole-tile
+        TMA reduce-adds (sm90, falling back to "atomic" where TMA cannot address the accumulator).
+        The dispatch tables hold "kernel" only, so gradients are bitwise reproducible as the public
+        functions promise: the fused paths sum in a varying order, and were measured slower (the
+        kernels' module docstring). They remain candidates of the backward sweep.
     """
 
     dkdv: AttentionConfig
     dq: AttentionConfig
+    dq_path: str = "kernel"
 
     def __str__(self) -> str:
+        if self.dq_path != "kernel":
+            return f"dkdv({self.dkdv}) dq {self.dq_path}"
         return f"dkdv({self.dkdv}) dq({self.dq})"
 
 
@@ -255,9 +273,26 @@ BACKWARD = {
 del B, C
 
 
-def backward_config(device: DeviceInfo, element_size: int, head_dim: int) -> BackwardConfig:
+# Packed causal batches replace the table's entry with these, by [family][element bytes][padded
+# head dim]: with sequences of 64 to 2048 tokens, a large share of the blocks sits on a diagonal,
+# and smaller tiles waste less of it (a one-off A/B on an H100, the benchmark's batch at D = 128:
+# 0.95 against 1.08 ms; non-causal, where the tiles tie, keeps the table's). With the packed
+# forward's tiles, the varlen benchmark's causal forward+backward went from 1.39 to 1.28 ms
+# (benchmarks/results/attention_varlen_window_fwd_bwd.json).
+PACKED_CAUSAL_BACKWARD = {
+    90: {2: {128: BackwardConfig(AttentionConfig(32, 64, 4, 3), AttentionConfig(64, 32, 4, 3))}},
+}
+
+
+def backward_config(device: DeviceInfo, element_size: int, head_dim: int,
+                    packed_causal: bool = False) -> BackwardConfig:
     """The backward configuration for a call on `device`."""
-    return BACKWARD[device.arch_family][element_size][head_dim_block(head_dim)]
+    block_d = head_dim_block(head_dim)
+    if packed_causal:
+        cfg = PACKED_CAUSAL_BACKWARD.get(device.arch_family, {}).get(element_size, {}).get(block_d)
+        if cfg is not None:
+            return cfg
+    return BACKWARD[device.arch_family][element_size][block_d]
 
 
 def preprocess_block_m(block_d: int) -> int:
@@ -273,22 +308,33 @@ def backward_configs(capability: int):
     """Every (element size, padded head dim, config) the backward dispatcher can pick."""
     from ..device import SHARED_MEMORY_PER_BLOCK
 
-    probe = DeviceInfo("", capability, 1, SHARED_MEMORY_PER_BLOCK[capability], 0)
-    for element_size, by_dim in BACKWARD[probe.arch_family].items():
-        for block_d, cfg in by_dim.items():
-            yield element_size, block_d, cfg
+    family = DeviceInfo("", capability, 1, SHARED_MEMORY_PER_BLOCK[capability], 0).arch_family
+    for table in (BACKWARD, PACKED_CAUSAL_BACKWARD):
+        for element_size, by_dim in table.get(family, {}).items():
+            for block_d, cfg in by_dim.items():
+                yield element_size, block_d, cfg
 
 
-def backward_candidates(family: int, element_size: int, block_d: int):
+def dq_paths(family: int) -> tuple[str, ...]:
+    """The `BackwardConfig.dq_path` values a device family can run."""
+    return ("kernel", "atomic", "tma") if family == 90 else ("kernel", "atomic")
+
+
+def backward_candidates(family: int, element_size: int, block_d: int, paths=None):
     """Backward configurations worth timing for a padded head dim on a device family.
 
-    The two kernels run one after the other and are tuned independently: the candidates are the
-    table's configuration with its dK/dV kernel replaced by each alternative, then with its dQ
-    kernel replaced. Alternatives span the resident block (64, 128), the streamed block (32, 64,
-    128), 4 or 8 warps and 2 or 3 stages, keeping those whose shared memory (the resident pair
-    plus one streamed pair per stage) fits and whose fp32 tiles (accumulators and the two score
-    tiles) stay at or below 192 registers per thread. At D = 256, where those limits leave few
-    of them, blocks of 32 (resident) and 16 (streamed) rows are tried as well.
+    For the "kernel" dQ path the two kernels run one after the other and are tuned
+    independently: the candidates are the table's configuration with its dK/dV kernel replaced
+    by each alternative, then with its dQ kernel replaced. Alternatives span the resident block
+    (64, 128), the streamed block (32, 64, 128), 4 or 8 warps and 2 or 3 stages, keeping those
+    whose shared memory (the resident pair plus one streamed pair per stage) fits and whose fp32
+    tiles (accumulators and the two score tiles) stay at or below 192 registers per thread. At
+    D = 256, where those limits leave few of them, blocks of 32 (resident) and 16 (streamed) rows
+    are tried as well. For the fused paths ("atomic", "tma": the dK/dV kernel adds dQ itself) the
+    candidates are the dK/dV alternatives that fit a streamed fp32 dQ tile more, in shared memory
+    (staged for the reduce) and in registers (up to 256 per thread: these kernels trade a few
+    spills for a kernel less). `paths` limits the dQ paths (default: all of `dq_paths(family)`);
+    the table's configuration always comes first.
     """
     from itertools import product
 
@@ -301,22 +347,31 @@ def backward_candidates(family: int, element_size: int, block_d: int):
     else:
         resident_blocks, streamed_blocks = (64, 128), (32, 64, 128)
 
-    def alternatives(accumulators: int):
+    def alternatives(accumulators: int, fused: bool = False):
         for resident, streamed, warps, stages in product(resident_blocks, streamed_blocks, (4, 8), (2, 3)):
             smem = element_size * block_d * 2 * (resident + streamed * stages)
             tile_regs = resident * (accumulators * block_d + 2 * streamed) // (32 * warps)
-            if smem <= budget and tile_regs <= 192:
+            if fused:
+                smem += 4 * streamed * block_d
+                tile_regs += streamed * block_d // (32 * warps)
+            if smem <= budget and tile_regs <= (256 if fused else 192):
                 yield resident, streamed, warps, stages
 
+    paths = dq_paths(family) if paths is None else paths
     yield base
-    for keys, rows, warps, stages in alternatives(accumulators=2):
-        cfg = AttentionConfig(rows, keys, warps, stages)
-        if cfg != base.dkdv:
-            yield BackwardConfig(cfg, base.dq)
-    for rows, keys, warps, stages in alternatives(accumulators=1):
-        cfg = AttentionConfig(rows, keys, warps, stages)
-        if cfg != base.dq:
-            yield BackwardConfig(base.dkdv, cfg)
+    if "kernel" in paths:
+        for keys, rows, warps, stages in alternatives(accumulators=2):
+            cfg = AttentionConfig(rows, keys, warps, stages)
+            if cfg != base.dkdv:
+                yield BackwardConfig(cfg, base.dq)
+        for rows, keys, warps, stages in alternatives(accumulators=1):
+            cfg = AttentionConfig(rows, keys, warps, stages)
+            if cfg != base.dq:
+                yield BackwardConfig(base.dkdv, cfg)
+    for path in paths:
+        if path != "kernel":
+            for keys, rows, warps, stages in alternatives(accumulators=2, fused=True):
+                yield BackwardConfig(AttentionConfig(rows, keys, warps, stages), base.dq, path)
 
 
 def _backward_builds(capability: int):
@@ -350,8 +405,8 @@ def _backward_builds(capability: int):
         for options in (dict(SOFTCAP=False, VARLEN=False), dict(SOFTCAP=True, VARLEN=True)):
             yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {cfg.dkdv}", element_size,
                         block_d, ("Q", "K", "V", "DO", "DK", "DV"),
-                        dict(BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, **options), cfg.dkdv.num_warps,
-                        cfg.dkdv.num_stages)
+                        dict(BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, DQ_ACC=None, DQ_MODE=0, **options),
+                        cfg.dkdv.num_warps, cfg.dkdv.num_stages)
             yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {cfg.dq}", element_size,
                         block_d, ("Q", "K", "V", "DO", "DQ"),
                         dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, **options), cfg.dq.num_warps,

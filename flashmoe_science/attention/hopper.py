@@ -29,6 +29,23 @@ def supports(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def supports_reduce(q: torch.Tensor, head_dim: int) -> bool:
+    """Whether the backward can add dQ tiles into an fp32 accumulator like q with TMA reduce-adds:
+    an sm90 GPU, and rows of head_dim fp32 values a multiple of 16 bytes."""
+    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and head_dim % 4 == 0
+
+
+def reduce_descriptor(acc: torch.Tensor, packed: bool, rows: int) -> TensorDescriptor:
+    """A (B, H, S, D) descriptor of the fp32 dQ accumulator, tiles of `rows` rows: a dense (B, H, S, D)
+    tensor, or packed (total, H, D) seen as one batch entry (1, H, total, D)."""
+    if packed:
+        total, heads, head_dim = acc.shape
+        shape, strides = [1, heads, total, head_dim], [acc.numel(), acc.stride(1), acc.stride(0), 1]
+    else:
+        shape, strides = list(acc.shape), list(acc.stride())
+    return TensorDescriptor(acc, shape, strides, [1, 1, rows, head_dim_block(shape[-1])])
+
+
 def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_specialize=False,
            device_index=None) -> None:
     """Writes out (and lse, (B, Hq, Sq) float32, unless None) for dense q (B, Hq, Sq, D) and k, v

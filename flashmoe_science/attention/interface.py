@@ -37,6 +37,7 @@ _FORWARD = KernelLauncher("attention_forward", attention_forward_kernel)
 _BACKWARD_PREPROCESS = KernelLauncher("attention_backward_preprocess", attention_backward_preprocess_kernel)
 _BACKWARD_DKDV = KernelLauncher("attention_backward_dkdv", attention_backward_dkdv_kernel)
 _BACKWARD_DQ = KernelLauncher("attention_backward_dq", attention_backward_dq_kernel)
+_DQ_MODES = {"kernel": 0, "atomic": 1, "tma": 2}  # the dK/dV kernel's DQ_MODE for BackwardConfig.dq_path
 _MAX_PLANS = 4096
 
 
@@ -79,7 +80,7 @@ class _ForwardPlan:
         self.lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
         self.device_index = q.device.index if q.device.type == "cuda" else None
         cfg = self.config = config or forward_config(info_for(q), q.element_size(), head_dim, seqlen_q,
-                                                     batch * heads_q)
+                                                     batch * heads_q, packed)
         num_m_blocks = _cdiv(seqlen_q, cfg.block_m)
         self.grid = (num_m_blocks * batch * heads_q, 1, 1)
         lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
@@ -247,7 +248,7 @@ class _BackwardPlan:
 
     __slots__ = ("empty", "copy_last_dim", "config", "default_scale", "softcap", "packed", "lse_shape",
                  "device_index", "preprocess_grid", "dkdv_grid", "dq_grid", "preprocess_options", "dkdv_options",
-                 "dq_options")
+                 "dq_options", "dq_mode")
 
     def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None):
         grad_output, q, k, v, out, _ = tensors
@@ -259,7 +260,7 @@ class _BackwardPlan:
         self.packed = packed
         self.lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
         self.device_index = q.device.index if q.device.type == "cuda" else None
-        cfg = self.config = config or backward_config(info_for(q), q.element_size(), head_dim)
+        cfg = self.config = config or backward_config(info_for(q), q.element_size(), head_dim, packed and causal)
         block_d = head_dim_block(head_dim)
         # delta = rowsum(dO * O) needs no sequence structure: packed tokens run as one batch entry.
         rows_batch, rows = (1, q.shape[0]) if packed else (batch, seqlen_q)
@@ -278,6 +279,10 @@ class _BackwardPlan:
                              block_d, cfg.dkdv.block_m, cfg.dkdv.block_n, softcap > 0, packed)
         self.dq_options = (*lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window, head_dim,
                            block_d, cfg.dq.block_m, cfg.dq.block_n, softcap > 0, packed)
+        path = cfg.dq_path
+        if path == "tma" and not hopper.supports_reduce(q, head_dim):
+            path = "atomic"
+        self.dq_mode = _DQ_MODES[path]
 
 
 _BACKWARD_PLANS: dict = {}
@@ -341,11 +346,20 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     scales = (scale, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E)
     sq, sk, sv, sdq, sdk, sdv = (_row_strides(t, packed) for t in (q, k, v, dq, dk, dv))
     cfg = plan.config
+    mode = plan.dq_mode
+    if mode == _DQ_MODES["kernel"]:
+        dq_acc, dq_target, sacc = None, None, (0, 0, 0)
+    else:  # fp32 accumulator with dq's layout, scaled in the kernel
+        dq_acc = torch.zeros_like(dq, dtype=torch.float32)
+        sacc = _row_strides(dq_acc, packed)
+        dq_target = hopper.reduce_descriptor(dq_acc, packed, cfg.dkdv.block_m) if mode == _DQ_MODES["tma"] else dq_acc
     _BACKWARD_DKDV.launch(
         key, plan.dkdv_grid,
-        (q, k, v, grad_output, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *scales,
-         *sq, *sk, *sv, *sdo, *sdk, *sdv) + plan.dkdv_options,
+        (q, k, v, grad_output, lse, delta, dk, dv, dq_target, cu_seqlens_q, cu_seqlens_k, *scales,
+         *sq, *sk, *sv, *sdo, *sdk, *sdv, *sacc) + plan.dkdv_options + (mode,),
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, device_index=plan.device_index)
+    if dq_acc is not None:
+        return dq.copy_(dq_acc), dk, dv
     _BACKWARD_DQ.launch(
         key, plan.dq_grid,
         (q, k, v, grad_output, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *scales,

@@ -7,7 +7,7 @@ gradient of the output:
     dQ = scale * dS K  dK = scale * dS^T Q
 
 Three kernels, each output element written by exactly one program that sums in a fixed order,
-so gradients are bitwise reproducible (no atomics anywhere):
+so gradients are bitwise reproducible (no atomics, unless a sweep asks for a fused dQ below):
 
 * `attention_backward_preprocess_kernel` computes delta (fp32, one value per query row).
 * `attention_backward_dkdv_kernel`: one program per block of BLOCK_N keys of one (batch, kv head).
@@ -18,10 +18,16 @@ so gradients are bitwise reproducible (no atomics anywhere):
   query head), Q and dO on chip, walking the key blocks.
 
 Splitting dQ from dK/dV recomputes S and dP once more (seven block products per block pair
-instead of five), the price of never accumulating dQ across programs. Accumulating dQ with fp32
-atomic adds inside the dK/dV kernel (FlashAttention-2's CUDA choice) saves that work but has been
-the slowest variant in Triton (triton-lang/triton#3523, FlagAttention#4), and would make results
-vary between runs; FlexAttention's Triton backward and the Triton tutorial also split.
+instead of five), the price of never accumulating dQ across programs. The dK/dV kernel can also
+add dQ itself (DQ_MODE, `configs.BackwardConfig.dq_path`): each step multiplies dS by its K block
+and adds the fp32 result into an accumulator, with atomic adds through pointers (DQ_ATOMIC) or with
+one TMA reduce-add per tile (DQ_TMA, sm90, FlashAttention-3's choice). Measured on an H100 at
+S = 4096 over every tile that fits (benchmarks/results/attention_backward_sweep_dq_{tma,atomic}.json),
+the best fused variant reaches 369 TFLOP/s (tma) and 311 (atomic) against 401 for the split
+kernels at D = 128, 155 against 204 at D = 256, and ties at D = 64 (341 against 338): each step
+then stages a 32 KB fp32 tile in shared memory and waits for its reduce before the next, and the
+extra accumulator spills registers. So the tables keep the split kernels, which also make results
+bitwise reproducible; the fused paths remain sweep candidates.
 
 P is recomputed in base 2: scores times scale*log2(e) minus lse*log2(e), one exp2 per element.
 With a softcap the forward's logits were softcap * tanh(scale * q.k / softcap); the backward
@@ -56,6 +62,10 @@ from .forward import band_blocks, band_diagonals, sequence_bounds, tanh, visible
 from .tiles import load_tile
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+# Where the dK/dV kernel's DQ_MODE sends dQ (module docstring).
+DQ_SEPARATE = tl.constexpr(0)  # nowhere: the dQ kernel computes it
+DQ_ATOMIC = tl.constexpr(1)  # fp32 atomic adds through pointers
+DQ_TMA = tl.constexpr(2)  # fp32 tensor-memory-accelerator reduce-adds of whole tiles (sm90)
 
 
 @triton.jit
@@ -116,16 +126,16 @@ def _scores_to_probabilities(qk, lse_log2, scale_log2, softcap_scale, softcap_lo
 
 
 @triton.jit
-def _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_blocks, first_m, num_first, second_m, b64, h_kv64,
-                    group_size, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo, diag_hi,
-                    scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob,
-                    stride_doh, stride_dom, stride_lb, stride_lh,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+def _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, idx, num_blocks, first_m, num_first, second_m, b64,
+                    acc_b, h_kv64, group_size, q_tile, do_tile, dq_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo,
+                    diag_hi, softmax_scale, scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh,
+                    stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_aqb, stride_aqh,
+                    stride_aqm, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DQ_MODE: tl.constexpr):
     """Step `idx` of a loop over (query head of the group, query block) pairs: one BLOCK_M block
     of query rows against the program's BLOCK_N keys, on transposed tiles. The blocks of a loop
     are one run from `first_m`, or (masked loops) `num_first` blocks from `first_m` then the rest
-    from `second_m`."""
+    from `second_m`. With DQ_MODE (see the kernel) it also adds this block's dQ rows to DQ_ACC."""
     h64 = h_kv64 * group_size + idx // num_blocks
     i = idx % num_blocks
     if MASKED:
@@ -155,13 +165,25 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_blocks, first_m, n
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP:
         ds_t = ds_t * (1.0 - t * t)
-    dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    ds_t = ds_t.to(q.dtype)
+    dk = tl.dot(ds_t, q, dk)
+    if DQ_MODE != DQ_SEPARATE:
+        dq = tl.dot(tl.trans(ds_t), k) * softmax_scale
+        acc_row = q_start + start_m
+        if DQ_MODE == DQ_TMA:
+            # Rows past this sequence's end add exact zeros (their p is 0); past the tensor, TMA drops them.
+            DQ_ACC.atomic_add([acc_b, h64.to(tl.int32), acc_row, 0], dq.reshape(1, 1, BLOCK_M, BLOCK_D))
+        else:
+            acc_ptrs = DQ_ACC + (acc_b.to(tl.int64) * stride_aqb + h64 * stride_aqh + tl.cast(acc_row, tl.int64) *
+                                 stride_aqm) + dq_tile
+            tl.atomic_add(acc_ptrs, dq, mask=(rows < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :],
+                          sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K,
     softmax_scale, scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -169,10 +191,11 @@ def attention_backward_dkdv_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_aqb, stride_aqh, stride_aqm,
     stride_lb, stride_lh,
     num_heads_kv, group_size, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DQ_MODE: tl.constexpr,
 ):
     # Key blocks of one kv head are adjacent in the grid so that they share Q and dO in L2. Under
     # causal masking the first key blocks are seen by the most query rows: heaviest run first.
@@ -215,18 +238,22 @@ def attention_backward_dkdv_kernel(
     # kernel (two fp32 BLOCK_N x D accumulators plus two BLOCK_N x BLOCK_M score tiles) lacks.
     q_tile = offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
     do_tile = offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :]
+    dq_tile = offs_m[:, None].to(tl.int64) * stride_aqm + offs_d[None, :]
+    acc_b = 0 if VARLEN else b  # a packed batch's dQ accumulator is one (1, Hq, total_q, D) entry
     for idx in range(0, group_size * num_masked):
-        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_masked, lo, num_before, full_hi,
-                                 b64, h_kv64, group_size, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q,
-                                 diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                 stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, HEAD_DIM, BLOCK_D, BLOCK_M, True, SOFTCAP)
+        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, idx, num_masked, lo, num_before, full_hi,
+                                 b64, acc_b, h_kv64, group_size, q_tile, do_tile, dq_tile, offs_m, keys, offs_d,
+                                 q_start, seqlen_q, diag_lo, diag_hi, softmax_scale, scale_log2, softcap_scale,
+                                 softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                 stride_lb, stride_lh, stride_aqb, stride_aqh, stride_aqm,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, SOFTCAP, DQ_MODE)
     for idx in range(0, group_size * num_full):
-        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, idx, num_full, full_lo, num_full, full_lo,
-                                 b64, h_kv64, group_size, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q,
-                                 diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                 stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, HEAD_DIM, BLOCK_D, BLOCK_M, False, SOFTCAP)
+        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, idx, num_full, full_lo, num_full, full_lo,
+                                 b64, acc_b, h_kv64, group_size, q_tile, do_tile, dq_tile, offs_m, keys, offs_d,
+                                 q_start, seqlen_q, diag_lo, diag_hi, softmax_scale, scale_log2, softcap_scale,
+                                 softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                 stride_lb, stride_lh, stride_aqb, stride_aqh, stride_aqm,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, SOFTCAP, DQ_MODE)
 
     dk = dk * softmax_scale
     dk_ptrs = DK + b64 * stride_dkb + h_kv64 * stride_dkh + keys64 * stride_dkn + offs_d[None, :]
