@@ -389,6 +389,15 @@ def _pytorch_grads(q, k, v, grad_out, causal):
     return torch.autograd.grad(out, leaves, grad_out)
 
 
+def assert_within_twice_pytorch(ours, q, k, v, grad_out, causal):
+    """Our gradients finite, and their error against float64 within twice PyTorch's own."""
+    refs = reference_grads(q, k, v, grad_out, causal)
+    theirs = _pytorch_grads(q, k, v, grad_out, causal)
+    for name, g, t, ref in zip(("dq", "dk", "dv"), ours, theirs, refs):
+        assert torch.isfinite(g).all(), name
+        assert rel_error(g, ref) <= 2 * rel_error(t, ref) + 5e-4, (name, rel_error(g, ref), rel_error(t, ref))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
@@ -400,11 +409,7 @@ def test_gpu_gradients_within_twice_pytorch(B, Hq, Hkv, Sq, Sk, D, causal, dtype
     q, k, v = (t.requires_grad_() for t in make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout="bshd"))
     grad_out = torch.randn(B, Sq, Hq, D, dtype=dtype, device="cuda").transpose(1, 2)
     ours = torch.autograd.grad(flash_attention_science(q, k, v, causal=causal), (q, k, v), grad_out)
-    refs = reference_grads(q, k, v, grad_out, causal)
-    theirs = _pytorch_grads(q, k, v, grad_out, causal)
-    for name, g, t, ref in zip(("dq", "dk", "dv"), ours, theirs, refs):
-        assert torch.isfinite(g).all(), name
-        assert rel_error(g, ref) <= 2 * rel_error(t, ref) + 5e-4, (name, rel_error(g, ref), rel_error(t, ref))
+    assert_within_twice_pytorch(ours, q, k, v, grad_out, causal)
 
 
 @pytest.mark.gpu
@@ -446,11 +451,7 @@ def test_gpu_fused_dq_within_twice_pytorch(B, Hq, Hkv, Sq, Sk, D, path):
     poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     del poison
     ours = run_backward(q, k, v, grad_out, True, BackwardConfig(dkdv, TINY_BLOCKS.dq, path))
-    refs = reference_grads(q, k, v, grad_out, True)
-    theirs = _pytorch_grads(q, k, v, grad_out, True)
-    for name, g, t, ref in zip(("dq", "dk", "dv"), ours, theirs, refs):
-        assert torch.isfinite(g).all(), name
-        assert rel_error(g, ref) <= 2 * rel_error(t, ref) + 5e-4, (name, rel_error(g, ref), rel_error(t, ref))
+    assert_within_twice_pytorch(ours, q, k, v, grad_out, True)
 
 
 @pytest.mark.gpu
