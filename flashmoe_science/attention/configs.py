@@ -405,7 +405,8 @@ def _backward_builds(capability: int):
         for options in (dict(SOFTCAP=False, VARLEN=False), dict(SOFTCAP=True, VARLEN=True)):
             yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {cfg.dkdv}", element_size,
                         block_d, ("Q", "K", "V", "DO", "DK", "DV"),
-                        dict(BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, DQ_ACC=None, DQ_MODE=0, **options),
+                        dict(BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, DQ_ACC=None,
+                             DQ_MODE=backward.DQ_MODES["kernel"], **options),
                         cfg.dkdv.num_warps, cfg.dkdv.num_stages)
             yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {cfg.dq}", element_size,
                         block_d, ("Q", "K", "V", "DO", "DQ"),

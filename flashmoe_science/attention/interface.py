@@ -19,7 +19,7 @@ import torch
 
 from ..device import check_runnable, info_for
 from ..launch import KernelLauncher
-from ._kernels.backward import (attention_backward_dkdv_kernel, attention_backward_dq_kernel,
+from ._kernels.backward import (DQ_MODES, attention_backward_dkdv_kernel, attention_backward_dq_kernel,
                                 attention_backward_preprocess_kernel)
 from ._kernels.forward import attention_forward_kernel
 from . import hopper
@@ -37,7 +37,6 @@ _FORWARD = KernelLauncher("attention_forward", attention_forward_kernel)
 _BACKWARD_PREPROCESS = KernelLauncher("attention_backward_preprocess", attention_backward_preprocess_kernel)
 _BACKWARD_DKDV = KernelLauncher("attention_backward_dkdv", attention_backward_dkdv_kernel)
 _BACKWARD_DQ = KernelLauncher("attention_backward_dq", attention_backward_dq_kernel)
-_DQ_MODES = {"kernel": 0, "atomic": 1, "tma": 2}  # the dK/dV kernel's DQ_MODE for BackwardConfig.dq_path
 _MAX_PLANS = 4096
 
 
@@ -282,7 +281,7 @@ class _BackwardPlan:
         path = cfg.dq_path
         if path == "tma" and not hopper.supports_reduce(q, head_dim):
             path = "atomic"
-        self.dq_mode = _DQ_MODES[path]
+        self.dq_mode = DQ_MODES[path]
 
 
 _BACKWARD_PLANS: dict = {}
@@ -347,12 +346,12 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     sq, sk, sv, sdq, sdk, sdv = (_row_strides(t, packed) for t in (q, k, v, dq, dk, dv))
     cfg = plan.config
     mode = plan.dq_mode
-    if mode == _DQ_MODES["kernel"]:
+    if mode == DQ_MODES["kernel"]:
         dq_acc, dq_target, sacc = None, None, (0, 0, 0)
     else:  # fp32 accumulator with dq's layout, scaled in the kernel
         dq_acc = torch.zeros_like(dq, dtype=torch.float32)
         sacc = _row_strides(dq_acc, packed)
-        dq_target = hopper.reduce_descriptor(dq_acc, packed, cfg.dkdv.block_m) if mode == _DQ_MODES["tma"] else dq_acc
+        dq_target = hopper.reduce_descriptor(dq_acc, packed, cfg.dkdv.block_m) if mode == DQ_MODES["tma"] else dq_acc
     _BACKWARD_DKDV.launch(
         key, plan.dkdv_grid,
         (q, k, v, grad_output, lse, delta, dk, dv, dq_target, cu_seqlens_q, cu_seqlens_k, *scales,

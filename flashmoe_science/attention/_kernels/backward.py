@@ -66,6 +66,8 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 DQ_SEPARATE = tl.constexpr(0)  # nowhere: the dQ kernel computes it
 DQ_ATOMIC = tl.constexpr(1)  # fp32 atomic adds through pointers
 DQ_TMA = tl.constexpr(2)  # fp32 tensor-memory-accelerator reduce-adds of whole tiles (sm90)
+# DQ_MODE by `configs.BackwardConfig.dq_path`.
+DQ_MODES = {"kernel": DQ_SEPARATE.value, "atomic": DQ_ATOMIC.value, "tma": DQ_TMA.value}
 
 
 @triton.jit
