@@ -101,6 +101,57 @@ def _check_attention(gpu: bool, quick: bool) -> bool:
     return ok
 
 
+def _check_attention_backward(gpu: bool, quick: bool) -> bool:
+    """The backward of the first forward cases: which kernels ran (on sm90, whether their tiles
+    moved through tensor descriptors, constexpr TMA), the worst of the dq, dk, dv errors against
+    float64 next to PyTorch's own, and GPU time next to SDPA's backward."""
+    from .attention import attention_reference, flash_attention_science
+    from .attention.reference import causal_mask
+    from .bench.common import rel_error, time_gpu
+
+    device = "cuda" if gpu else "cpu"
+    ok = True
+    print("\nattention backward")
+    for batch, hq, hkv, sq, sk, d, dtype, causal in _attention_cases(gpu, quick)[:2]:
+        q, k, v = (torch.randn(batch, s, h, d, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
+                   for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+        grad = torch.randn_like(q)
+        clear_records()
+        ours = torch.autograd.grad(flash_attention_science(q, k, v, causal=causal), (q, k, v), grad)
+        records = [last_launch(op) for op in ("attention_backward_dkdv", "attention_backward_dq")]
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        refs = torch.autograd.grad(attention_reference(*leaves, causal=causal)[0], leaves, grad.double())
+        group = hq // hkv
+        mask = causal_mask(sq, sk, q.device) if causal else None
+
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+
+        theirs = torch.autograd.grad(sdpa(), (q, k, v), grad)
+        ours_err = max(rel_error(g, r) for g, r in zip(ours, refs))
+        torch_err = max(rel_error(g, r) for g, r in zip(theirs, refs))
+        passed = ours_err <= 2 * torch_err + 5e-4
+        ok &= passed
+        name = str(dtype).replace("torch.", "")
+        print(f"  B={batch} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} D={d} {name} causal={causal}")
+        for record in records:
+            print(f"    ran: {_describe(record)}")
+            if gpu and record is not None and record.compiled is not None and device_info().capability >= 90:
+                print(f"    {_matrix_instructions(record)}")
+        print(f"    error vs float64 (worst of dq, dk, dv): ours {ours_err:.2e}, PyTorch {name} {torch_err:.2e}  "
+              f"{'ok' if passed else 'FAIL (more than 2x PyTorch)'}")
+        if gpu:
+            out, expected = flash_attention_science(q, k, v, causal=causal), sdpa()
+            ours_t = time_gpu(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True),
+                              repeats=3).median_ms
+            sdpa_t = time_gpu(lambda: torch.autograd.grad(expected, (q, k, v), grad, retain_graph=True),
+                              repeats=3).median_ms
+            print(f"    GPU time of the backward: ours {ours_t * 1e3:.1f} us, SDPA (same mask, repeated K/V) "
+                  f"{sdpa_t * 1e3:.1f} us")
+    return ok
+
+
 def _moe_cases(gpu: bool, quick: bool):
     """(name, E, top_k, H, I, T, dtype)."""
     if not gpu:
@@ -158,6 +209,7 @@ def run(quick: bool = False) -> int:
         print("no GPU and no interpreter: set TRITON_INTERPRET=1 (the flashmoe-science command does this)")
         return 1
     ok = _check_attention(gpu, quick)
+    ok &= _check_attention_backward(gpu, quick)
     ok &= _check_moe(gpu, quick)
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1

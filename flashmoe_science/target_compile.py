@@ -72,7 +72,7 @@ def _compile_row(capability: int, index: int) -> dict:
     else:
         ptx = kernel.asm.get("ptx", "")
         row.update(shared=kernel.metadata.shared, fits=kernel.metadata.shared <= limit,
-                   wgmma="wgmma" in ptx, error=None)
+                   wgmma="wgmma" in ptx, tma="cp.async.bulk.tensor" in ptx, error=None)
     return row
 
 

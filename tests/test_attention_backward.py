@@ -16,6 +16,7 @@ from flashmoe_science.attention.configs import (BACKWARD, AttentionConfig, Backw
 from flashmoe_science.attention.interface import attention_backward
 from flashmoe_science.attention.reference import causal_mask
 from flashmoe_science.device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS, DeviceInfo
+from flashmoe_science.launch import last_launch
 from test_attention_forward import make_qkv, rel_error
 
 # Tiny blocks: many key and query blocks per program even at CPU sizes, so every loop of the
@@ -357,7 +358,7 @@ def test_fused_dq_of_packed_sequences(path, causal, device):
     """Packed sequences: each dQ block lands in its own sequence's rows (the TMA path adds exact
     zeros past a sequence's end into the next one's)."""
     from flashmoe_science.attention.interface import _BackwardPlan, run_backward as launch_backward
-    from flashmoe_science.attention.varlen import varlen_backward, varlen_forward
+    from flashmoe_science.attention.varlen import longest_first, varlen_backward, varlen_forward
     from test_attention_varlen import make_packed
 
     if path == "tma" and torch.cuda.get_device_capability()[0] != 9:
@@ -371,9 +372,67 @@ def test_fused_dq_of_packed_sequences(path, causal, device):
     config = BackwardConfig(TINY_BLOCKS.dkdv, TINY_BLOCKS.dq, path)
     tensors = (grad_out, q, k, v, out, lse)
     plan = _BackwardPlan(tensors, len(lengths), max(lengths), max(lengths), causal, (-1, -1), 0.0, True, config)
-    grads = launch_backward(plan, None, *tensors, cu, cu, None, None)
+    grads = launch_backward(plan, None, *tensors, cu, cu, None, None, longest_first(cu, cu))
     for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
         assert rel_error(g, e) < (1e-2 if dtype == torch.bfloat16 else 1e-5), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D,dtype,layout,window", [
+    (2, 4, 2, 37, 53, 32, torch.float32, "bshd", (-1, -1)),  # GQA, tails in both lengths, strided rows
+    (1, 3, 1, 70, 45, 40, torch.float32, "bhsd", (-1, -1)),  # MQA, Sq > Sk, D padded to the 64 tile
+    (1, 2, 2, 33, 61, 64, torch.float16, "bshd", (9, 4)),    # a sliding window
+])
+def test_tma_tiles_give_the_pointer_kernels_bits(B, Hq, Hkv, Sq, Sk, D, dtype, layout, window, causal, device,
+                                                 monkeypatch):
+    """BackwardConfig.tma moves the same tiles through descriptors: the same products in the same
+    order, so the same bits, tails (zero-filled loads, dropped stores) included. The interpreter
+    runs descriptors on CPU tensors, so the dispatcher's sm90 check is lifted here."""
+    from flashmoe_science.attention import hopper
+
+    monkeypatch.setattr(hopper, "supports_backward", lambda tensors, head_dim: True)
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, device, layout=layout)
+    grad_out = torch.randn_like(q)
+    out, lse = flash_attention_forward(q, k, v, causal=causal, window_size=window)
+    expected = attention_backward(grad_out, q, k, v, out, lse, causal, None, window, config=TINY_BLOCKS)
+    tma = BackwardConfig(TINY_BLOCKS.dkdv, TINY_BLOCKS.dq, tma=True)
+    grads = attention_backward(grad_out, q, k, v, out, lse, causal, None, window, config=tma)
+    assert last_launch("attention_backward_dkdv").constexprs["TMA"] is True
+    assert last_launch("attention_backward_dq").constexprs["TMA"] is True
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+        assert torch.equal(g, e), name
+        assert g.stride() == e.stride(), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_tiles_of_packed_sequences_give_the_pointer_kernels_bits(causal, device, monkeypatch):
+    """Packed batches through descriptors: a tile's rows past a sequence's end hold the next
+    sequence's tokens, which must reach nothing stored, even when they are not finite."""
+    from flashmoe_science.attention import hopper
+    from flashmoe_science.attention.interface import _BackwardPlan, run_backward as launch_backward
+    from flashmoe_science.attention.varlen import longest_first, varlen_forward
+    from test_attention_varlen import make_packed
+
+    monkeypatch.setattr(hopper, "supports_backward", lambda tensors, head_dim: True)
+    lengths = [37, 0, 5, 64, 20, 9]
+    q, k, v, cu, _ = make_packed(lengths, lengths, 4, 2, 40, torch.float32, device)
+    poisoned = slice(cu[3].item(), cu[4].item())  # the 64-token sequence: not finite
+    for t in (q, k, v):
+        t[poisoned] = float("nan")
+    out, lse = varlen_forward(q, k, v, cu, cu, max(lengths), max(lengths), causal, None, True)
+    grad_out = torch.randn_like(out)
+    tensors = (grad_out, q, k, v, out, lse)
+    runs = []
+    for tma in (False, True):
+        config = BackwardConfig(TINY_BLOCKS.dkdv, TINY_BLOCKS.dq, tma=tma)
+        plan = _BackwardPlan(tensors, len(lengths), max(lengths), max(lengths), causal, (-1, -1), 0.0, True, config)
+        assert plan.tma is tma
+        runs.append(launch_backward(plan, None, *tensors, cu, cu, None, None, longest_first(cu, cu)))
+    clean = torch.ones(q.shape[0], dtype=torch.bool)
+    clean[poisoned] = False
+    for name, pointer, tma in zip(("dq", "dk", "dv"), *runs):
+        assert torch.isfinite(pointer[clean]).all(), name
+        assert torch.equal(pointer[clean], tma[clean]), name
 
 
 # ---- GPU: bf16, realistic sizes and D = 256, error compared with PyTorch's own ----
@@ -452,6 +511,29 @@ def test_gpu_fused_dq_within_twice_pytorch(B, Hq, Hkv, Sq, Sk, D, path):
     del poison
     ours = run_backward(q, k, v, grad_out, True, BackwardConfig(dkdv, TINY_BLOCKS.dq, path))
     assert_within_twice_pytorch(ours, q, k, v, grad_out, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Sq,Sk,D", [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 513, 777, 256),
+                                             (1, 8, 8, 300, 300, 64), (1, 4, 2, 200, 200, 96)])
+def test_gpu_tma_tiles_give_the_pointer_kernels_bits(B, Hq, Hkv, Sq, Sk, D, causal):
+    """On sm90 the descriptor-moved tiles (BackwardConfig.tma) give the pointer kernels' bits with
+    the table's tiles, on NaN-poisoned memory; and the table's choice is within twice PyTorch."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("tensor descriptors need sm90")
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, "cuda", layout="bshd")
+    grad_out = torch.randn_like(q)
+    base = BACKWARD[90][2][head_dim_block(D)]
+    runs = []
+    for tma in (False, True):
+        poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        del poison
+        runs.append(run_backward(q, k, v, grad_out, causal, BackwardConfig(base.dkdv, base.dq, tma=tma)))
+        assert last_launch("attention_backward_dq").constexprs["TMA"] is tma
+    for name, pointer, tma in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(pointer, tma), name
+    assert_within_twice_pytorch(runs[1], q, k, v, grad_out, causal)
 
 
 @pytest.mark.gpu

@@ -179,6 +179,22 @@ def test_in_place_change_of_cu_seqlens_is_checked_again(device):
         flash_attention_varlen(q, k, v, cu, cu, 12, 12)
 
 
+def test_sequences_run_longest_first_and_the_order_follows_changes(device):
+    """The grid's sequence order: longest (query plus key tokens) first, ties in batch order;
+    remembered per pair of tensors, recomputed after an in-place change."""
+    from flashmoe_science.attention.varlen import longest_first
+
+    cu_q = torch.tensor([0, 3, 3, 10, 17, 18], dtype=torch.int32, device=device)  # lengths 3, 0, 7, 7, 1
+    cu_k = torch.tensor([0, 3, 3, 10, 12, 13], dtype=torch.int32, device=device)  # lengths 3, 0, 7, 2, 1
+    order = longest_first(cu_q, cu_k)
+    assert order.dtype == torch.int32 and order.device == cu_q.device
+    assert order.tolist() == [2, 3, 0, 4, 1]
+    assert longest_first(cu_q, cu_k) is order
+    assert longest_first(cu_q, cu_q).tolist() == [2, 3, 0, 4, 1]
+    cu_q[1:] += 20  # the first sequence becomes the longest
+    assert longest_first(cu_q, cu_k).tolist() == [0, 2, 3, 4, 1]
+
+
 def _bad_cases():
     good = [0, 5, 11]
     return [

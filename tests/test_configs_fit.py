@@ -24,6 +24,16 @@ def test_hopper_attention_forward_uses_wgmma(compiled_rows):
     assert hopper and all(r["wgmma"] for r in hopper), [r["label"] for r in hopper if not r["wgmma"]]
 
 
+@pytest.mark.targets
+def test_hopper_attention_backward_tma_builds_use_wgmma_and_the_copy_engine(compiled_rows):
+    """The backward builds that move tiles through descriptors compile to bulk tensor copies and
+    wgmma products on sm90; the pointer builds of the same tiles to no bulk copy."""
+    backward = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith("attention_backward_d")]
+    tma = [r for r in backward if " tma " in r["label"]]
+    assert tma and all(r["wgmma"] and r["tma"] for r in tma), [r["label"] for r in tma]
+    assert not any(r["tma"] for r in backward if r not in tma)
+
+
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
 def test_dispatcher_only_picks_shipped_forward_configs(capability):
     shipped = {(es, bd, cfg) for es, bd, cfg in forward_configs(capability)}

@@ -1,6 +1,10 @@
 """Gradients of fused_moe and fused_experts against autograd through the float64 reference of the
 formula, on the CPU interpreter (fp32 and fp16, small shapes) and on the GPU (bf16 at real model
-shapes); which backward kernels run; determinism; torch.compile."""
+shapes); which backward kernels run; determinism; torch.compile; the tensor-descriptor (TMA)
+variants against the pointer kernels."""
+import dataclasses
+import functools
+
 import pytest
 import torch
 from test_moe_configs import _launched_build
@@ -9,6 +13,7 @@ from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher bu
 
 from flashmoe_science.device import SUPPORTED_TARGETS, info_for
 from flashmoe_science.launch import clear_records, last_launch
+from flashmoe_science.moe import backward as moe_backward
 from flashmoe_science.moe import configs, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
 
@@ -45,9 +50,17 @@ def moe_gradient_check(device, T, E, k, H, I, dtype, **options):
     out, grads = grads_of(lambda *a: fused_moe(*a, k, **options), inputs, grad_out)
     _, ref = grads_of(lambda *a: fused_moe_torch(*a, k, **options), leaves(*(t.double() for t in inputs)),
                       grad_out.double())
-    _, torch_grads = grads_of(lambda *a: fused_moe_torch(*a, k, **options), leaves(*inputs), grad_out)
+    # fp32 runs tf32 tensor-core products on the GPU (10 mantissa bits): PyTorch's own error is
+    # taken in the same precision, its matmuls in tf32 too. The router logits' gradient, a
+    # softmax Jacobian applied to near-equal per-expert terms, magnifies the rounding of each.
+    tf32 = dtype == torch.float32 and device.type == "cuda"
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32 or previous
+    try:
+        _, torch_grads = grads_of(lambda *a: fused_moe_torch(*a, k, **options), leaves(*inputs), grad_out)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
     assert grads[3].dtype == logits.dtype and grads[0].dtype == dtype
-    # fp32 runs tf32 tensor-core products on the GPU (10 mantissa bits), PyTorch's matmuls do not.
     atol = 1e-6 if dtype == torch.float32 and device.type == "cpu" else (5e-3 if dtype == torch.float32 else 2e-3)
     return check_grads(grads, ref, torch_grads, ("x", "w1", "w2", "router_logits"), atol=atol)
 
@@ -203,6 +216,96 @@ def test_hopper_prefill_backward_gemms_use_wgmma(compiled_rows):
     gemms = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith(BACKWARD_OPS)
              and r["label"].split()[1] in ("fp16", "bf16") and tile_rows(r["label"]) >= 64]
     assert gemms and all(r["wgmma"] for r in gemms), [r["label"] for r in gemms if not r["wgmma"]]
+
+
+@pytest.fixture
+def forced_backward(monkeypatch):
+    """force(change): the backward runs change(the table's BackwardConfig) from here on (plans
+    keep their configuration, so each force starts an empty plan cache)."""
+    table = configs.backward_config
+
+    def force(change):
+        monkeypatch.setattr(moe_backward, "_PLANS", {})
+        monkeypatch.setattr(configs, "backward_config", lambda *args: change(table(*args)))
+    return force
+
+
+def has_tma(device) -> bool:
+    """Whether the backward can take its TMA path on `device` (the interpreter emulates it)."""
+    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def experts_gradients(x, w1, w2, weights, ids, grad_out):
+    return grads_of(lambda x, w1, w2, w: fused_experts(x, w1, w2, w, ids), leaves(x, w1, w2, weights), grad_out)[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [5, 37])
+def test_tma_gradients_are_the_pointer_gradients(device, poisoned, forced_backward, T, dtype):  # noqa: F811
+    """With BackwardConfig.tma every backward GEMM reads its dense tiles through tensor descriptors
+    and gives the pointer kernels' bits. T = 5: layout blocks of 16 rows, which the weight
+    gradients' 32-row steps overrun (into the next expert's rows, or unused blocks that hold
+    poison); T = 37: blocks of 32 (fp16) or 64 (fp32) rows, whole steps. Expert 3 receives no
+    token; H = I = 48 leaves a ragged last tile in every GEMM, and the last block of an expert
+    is ragged."""
+    E, k, H, I = 8, 2, 48, 48
+    x, w1, w2 = make_layer(T, E, H, I, dtype, device)
+    ids = torch.randint(0, E - 1, (T, k), device=device, dtype=torch.int32)
+    ids[ids >= 3] += 1
+    weights = torch.rand(T, k, device=device)
+    grad_out = torch.randn(T, H, device=device).to(dtype)
+    grads = {}
+    for tma in (False, True):
+        forced_backward(functools.partial(dataclasses.replace, tma=tma))
+        clear_records()
+        grads[tma] = experts_gradients(x, w1, w2, weights, ids, grad_out)
+        assert {op: last_launch(op).constexprs["TMA"] for op in BACKWARD_OPS} == dict.fromkeys(
+            BACKWARD_OPS, tma and has_tma(device))
+    for name, pointer, tma in zip(("x", "w1", "w2", "topk_weights"), grads[False], grads[True]):
+        assert torch.equal(pointer, tma), name
+    assert torch.all(grads[True][1][3] == 0) and torch.all(grads[True][2][3] == 0)
+
+
+def test_tma_falls_back_where_tensors_are_not_addressable(device, poisoned, forced_backward):  # noqa: F811
+    """w2 starting 2 bytes past a 16-byte boundary: grad_gate_up reads it through pointers, the
+    other GEMMs still through descriptors, with the same bits as the pointer kernels."""
+    T, E, k, H, I = 21, 4, 2, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float16, device)
+    weights, ids = moe_route(torch.randn(T, E, device=device), k)
+    grad_out = torch.randn(T, H, device=device).to(torch.float16)
+    grads = {}
+    for tma in (False, True):
+        forced_backward(functools.partial(dataclasses.replace, tma=tma))
+        inputs = leaves(x, w1, torch.cat([w2.new_zeros(1), w2.flatten()]), weights)
+        shifted_w2 = inputs[2][1:].view(w2.shape)
+        assert shifted_w2.data_ptr() % 16 == 2 and not moe_backward.tma_addressable(shifted_w2)
+        out = fused_experts(inputs[0], inputs[1], shifted_w2, inputs[3], ids)
+        grads[tma] = torch.autograd.grad(out, inputs, grad_out)
+    assert last_launch("moe_grad_gate_up").constexprs["TMA"] is False
+    assert all(last_launch(op).constexprs["TMA"] == has_tma(device) for op in BACKWARD_OPS[1:])
+    for pointer, tma in zip(grads[False], grads[True]):
+        assert torch.equal(pointer, tma)
+
+
+def test_tma_addressable():
+    t = torch.zeros(64, 64, dtype=torch.float16)
+    assert moe_backward.tma_addressable(t, t[8:], t[:, 8:], t.view(4, 16, 64))
+    for bad in (t.flatten()[1:65].view(8, 8),       # base 2 bytes past a 16-byte boundary
+                t.as_strided((60, 64), (66, 1)),  # rows 132 bytes apart
+                t.t(),                            # last stride not 1
+                t[:0]):                           # empty
+        assert not moe_backward.tma_addressable(bad)
+
+
+@pytest.mark.targets
+def test_hopper_tma_backward_builds_use_the_copy_engine(compiled_rows):
+    """The sm90 builds of entries with `tma` (shipped next to their pointer builds) compile to
+    bulk tensor copies for every backward GEMM; the pointer builds to none."""
+    backward = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith(BACKWARD_OPS)]
+    tma = [r for r in backward if r["label"].endswith(" tma")]
+    assert {r["label"].split()[0] for r in tma} == set(BACKWARD_OPS)
+    assert all(r["tma"] for r in tma), [r["label"] for r in tma if not r["tma"]]
+    assert not any(r["tma"] for r in backward if r not in tma)
 
 
 def test_compiled_fused_moe_matches_eager(device):

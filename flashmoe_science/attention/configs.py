@@ -150,8 +150,8 @@ def shipped_builds(capability: int):
         for causal, softcap, varlen in variants:
             sig = {name: "i32" for name in attention_forward_kernel.arg_names}
             sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O=ptr[element_size],
-                       LSE="*fp32", CU_SEQLENS_Q="*i32", CU_SEQLENS_K="*i32", scale_log2="fp32",
-                       softcap_scale="fp32", softcap_log2="fp32")
+                       LSE="*fp32", CU_SEQLENS_Q="*i32", CU_SEQLENS_K="*i32", SEQUENCE_ORDER="*i32",
+                       scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               CAUSAL=causal, SOFTCAP=softcap, VARLEN=varlen, WRITE_LSE=True)
             sig.update({name: "constexpr" for name in constexprs})
@@ -204,16 +204,22 @@ class BackwardConfig:
         The dispatch tables hold "kernel" only, so gradients are bitwise reproducible as the public
         functions promise: the fused paths sum in a varying order, and were measured slower (the
         kernels' module docstring). They remain candidates of the backward sweep.
+    tma: the kernels move their Q, K, V, dO tiles in and their gradient tiles out through tensor
+        descriptors (the tensor memory accelerator, sm90) instead of pointer loads and stores: the
+        same products in the same order, so the same bits. Dense 16-bit calls whose tensors TMA can
+        address take it (`hopper.supports`); others run the pointer kernels with the same tiles.
     """
 
     dkdv: AttentionConfig
     dq: AttentionConfig
     dq_path: str = "kernel"
+    tma: bool = False
 
     def __str__(self) -> str:
+        loads = " tma" if self.tma else ""
         if self.dq_path != "kernel":
-            return f"dkdv({self.dkdv}) dq {self.dq_path}"
-        return f"dkdv({self.dkdv}) dq({self.dq})"
+            return f"dkdv({self.dkdv}) dq {self.dq_path}{loads}"
+        return f"dkdv({self.dkdv}) dq({self.dq}){loads}"
 
 
 B = BackwardConfig
@@ -227,7 +233,12 @@ C = AttentionConfig
 # D = 256 on Hopper (424 bytes: measured faster than the 32-row-step tile, which spills 92). fp32 runs tf32 products, whose wgmma operands sit in registers, so
 # its Hopper entries at D >= 128 spill: fp32 is there for correctness more than speed. Shared
 # memory holds the resident pair (K, V or Q, dO) plus one streamed pair per stage, which is
-# what limits the 99 KB parts.
+# what limits the 99 KB parts. The Hopper 16-bit entries move their tiles through tensor
+# descriptors (`tma`): a one-off A/B on an H100 with these tiles, pointer loads against TMA, same
+# bits, S = 4096 (16384 where named): D = 64 334 -> 357 TFLOP/s, D = 128 392 -> 402 (causal at
+# 16384: 397 -> 419), D = 256 218 -> 227, a causal window of 1024 at 16384 289 -> 303; ptxas
+# reports fewer registers (the D = 128 dQ kernel 206 -> 172) and fewer spills (the D = 256 dK/dV
+# kernel 424 -> 256 bytes).
 BACKWARD = {
     90: {
         2: {16: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
@@ -236,9 +247,9 @@ BACKWARD = {
             # four-warp 64 x 64 tiles for both kernels (each alone: 4.87 -> 4.29 and 4.37 ms);
             # at D = 256, 64 resident keys and 128 resident rows with 32-row steps (each alone:
             # 8.82 -> 7.79 and 7.65 ms). D = 128 was already the best candidate.
-            64: B(C(64, 64, 4, 3), C(64, 64, 4, 3)),
-            128: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
-            256: B(C(64, 64, 8, 2), C(128, 32, 8, 2))},
+            64: B(C(64, 64, 4, 3), C(64, 64, 4, 3), tma=True),
+            128: B(C(64, 128, 8, 3), C(128, 64, 8, 3), tma=True),
+            256: B(C(64, 64, 8, 2), C(128, 32, 8, 2), tma=True)},
         4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
             32: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
             64: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
@@ -280,7 +291,7 @@ del B, C
 # forward's tiles, the varlen benchmark's causal forward+backward went from 1.39 to 1.28 ms
 # (benchmarks/results/attention_varlen_window_fwd_bwd.json).
 PACKED_CAUSAL_BACKWARD = {
-    90: {2: {128: BackwardConfig(AttentionConfig(32, 64, 4, 3), AttentionConfig(64, 32, 4, 3))}},
+    90: {2: {128: BackwardConfig(AttentionConfig(32, 64, 4, 3), AttentionConfig(64, 32, 4, 3), tma=True)}},
 }
 
 
@@ -334,7 +345,8 @@ def backward_candidates(family: int, element_size: int, block_d: int, paths=None
     candidates are the dK/dV alternatives that fit a streamed fp32 dQ tile more, in shared memory
     (staged for the reduce) and in registers (up to 256 per thread: these kernels trade a few
     spills for a kernel less). `paths` limits the dQ paths (default: all of `dq_paths(family)`);
-    the table's configuration always comes first.
+    the table's configuration always comes first, and every candidate moves its tiles as the
+    table's does (`tma`).
     """
     from itertools import product
 
@@ -363,28 +375,35 @@ def backward_candidates(family: int, element_size: int, block_d: int, paths=None
         for keys, rows, warps, stages in alternatives(accumulators=2):
             cfg = AttentionConfig(rows, keys, warps, stages)
             if cfg != base.dkdv:
-                yield BackwardConfig(cfg, base.dq)
+                yield BackwardConfig(cfg, base.dq, tma=base.tma)
         for rows, keys, warps, stages in alternatives(accumulators=1):
             cfg = AttentionConfig(rows, keys, warps, stages)
             if cfg != base.dq:
-                yield BackwardConfig(base.dkdv, cfg)
+                yield BackwardConfig(base.dkdv, cfg, tma=base.tma)
     for path in paths:
         if path != "kernel":
             for keys, rows, warps, stages in alternatives(accumulators=2, fused=True):
-                yield BackwardConfig(AttentionConfig(rows, keys, warps, stages), base.dq, path)
+                yield BackwardConfig(AttentionConfig(rows, keys, warps, stages), base.dq, path, base.tma)
 
 
 def _backward_builds(capability: int):
+    from itertools import product
+
     from ..target_compile import KernelBuild
     from ._kernels import backward
 
     ptr = {2: "*fp16", 4: "*fp32"}
 
-    def build(kernel, label, element_size, block_d, pointers, constexprs, num_warps, num_stages):
+    def build(kernel, label, element_size, block_d, pointers, constexprs, num_warps, num_stages, tiles=None):
+        """`tiles` (TMA builds): the tensor arguments that are descriptors, with their tile rows."""
         sig = {arg: "i32" for arg in kernel.arg_names}
         sig.update({arg: ptr[element_size] for arg in pointers})
+        if tiles:
+            sig.update({arg: f"tensordesc<fp16[1,1,{rows},{block_d}]>" for arg, rows in tiles.items()})
+            pointers = [a for a in pointers if a not in tiles]
+            label += " tma"
         sig.update({arg: "*fp32" for arg in ("LSE", "DELTA") if arg in sig})
-        sig.update({arg: "*i32" for arg in ("CU_SEQLENS_Q", "CU_SEQLENS_K") if arg in sig})
+        sig.update({arg: "*i32" for arg in ("CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUENCE_ORDER") if arg in sig})
         sig.update({arg: "fp32" for arg in ("softmax_scale", "scale_log2", "softcap_scale", "softcap_log2")
                     if arg in sig})
         constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, **constexprs)
@@ -401,14 +420,26 @@ def _backward_builds(capability: int):
                     f"attention_backward_preprocess BLOCK_M={rows} warps={PREPROCESS_WARPS}", element_size, block_d,
                     ("O", "DO"), dict(BLOCK_M=rows), PREPROCESS_WARPS, 1)
         # Plain, and with both options on (module docstring): softcap adds a tanh per score and a
-        # factor on dS, variable lengths a few scalar loads.
-        for options in (dict(SOFTCAP=False, VARLEN=False), dict(SOFTCAP=True, VARLEN=True)):
-            yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {cfg.dkdv}", element_size,
+        # factor on dS, variable lengths a few scalar loads. The dQ kernel computes delta (its
+        # other mode, loading it, does less). The TMA builds too where the entry asks for them
+        # on sm90 (their pointer builds serve the calls TMA cannot address).
+        all_options = (dict(SOFTCAP=False, VARLEN=False), dict(SOFTCAP=True, VARLEN=True))
+        loads = (False, True) if cfg.tma and capability == 90 and element_size == 2 else (False,)
+        for tma, options in product(loads, all_options):
+            def stored(**tiles):  # packed batches store gradients through pointers
+                return {} if options["VARLEN"] else tiles
+
+            dkdv, dq = cfg.dkdv, cfg.dq
+            yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {dkdv}", element_size,
                         block_d, ("Q", "K", "V", "DO", "DK", "DV"),
-                        dict(BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, DQ_ACC=None,
-                             DQ_MODE=backward.DQ_MODES["kernel"], **options),
-                        cfg.dkdv.num_warps, cfg.dkdv.num_stages)
-            yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {cfg.dq}", element_size,
-                        block_d, ("Q", "K", "V", "DO", "DQ"),
-                        dict(BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, **options), cfg.dq.num_warps,
-                        cfg.dq.num_stages)
+                        dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, DQ_ACC=None,
+                             DQ_MODE=backward.DQ_MODES["kernel"], TMA=tma, **options),
+                        dkdv.num_warps, dkdv.num_stages,
+                        tiles=tma and dict(Q=dkdv.block_m, DO=dkdv.block_m, K=dkdv.block_n, V=dkdv.block_n,
+                                           **stored(DK=dkdv.block_n, DV=dkdv.block_n)))
+            yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {dq}", element_size,
+                        block_d, ("Q", "K", "V", "DO", "O", "DQ"),
+                        dict(BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, TMA=tma, DELTA_HERE=True, **options),
+                        dq.num_warps, dq.num_stages,
+                        tiles=tma and dict(Q=dq.block_m, DO=dq.block_m, K=dq.block_n, V=dq.block_n,
+                                           **stored(DQ=dq.block_m)))

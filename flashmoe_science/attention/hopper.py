@@ -1,6 +1,7 @@
-"""The Hopper (sm90) forward path: TMA tensor descriptors for the Q, K, V and O tiles.
+"""The Hopper (sm90) paths: TMA tensor descriptors for the Q, K, V and O tiles of the forward
+kernel, and for the tiles the backward kernels load and store (`backward_descriptors`).
 
-Dense inputs only (no packed variable lengths). The tensor memory accelerator needs every base
+The forward takes dense inputs only; the backward packed ones too. The tensor memory accelerator needs every base
 pointer 16-byte aligned and every stride but the last a multiple of 16 bytes; `supports` says
 whether a call's tensors qualify. The dispatcher (`interface._ForwardPlan`) takes this path for
 large 16-bit calls at padded head dims 128 and 256 on sm90 (`configs.hopper_forward_config`);
@@ -27,6 +28,33 @@ def supports(*tensors: torch.Tensor) -> bool:
         if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False
     return True
+
+
+def supports_backward(tensors, head_dim: int) -> bool:
+    """Whether the backward kernels can move tiles through descriptors: the tensors (grad_output,
+    q, k, v, out) qualify, on an sm90 GPU, and so do the gradients, laid out like q, k, v (rows
+    of head_dim 16-bit values a multiple of 16 bytes apart)."""
+    q = tensors[1]
+    return (supports(*tensors) and q.element_size() == 2 and head_dim % 8 == 0
+            and torch.cuda.get_device_capability(q.device)[0] == 9)
+
+
+def backward_descriptors(row_tensors, key_tensors, config):
+    """Descriptors for one backward kernel: `row_tensors` in tiles of config.block_m rows,
+    `key_tensors` of config.block_n (an AttentionConfig). Dense (B, H, S, D) tensors as they are;
+    packed (total, H, D) ones as one batch entry (1, H, total, D)."""
+    block_d = head_dim_block(row_tensors[0].shape[-1])
+
+    def describe(t, rows):
+        if t.dim() == 3:
+            total, heads, head_dim = t.shape
+            shape, strides = [1, heads, total, head_dim], [t.numel(), t.stride(1), t.stride(0), 1]
+        else:
+            shape, strides = list(t.shape), list(t.stride())
+        return TensorDescriptor(t, shape, strides, [1, 1, rows, block_d])
+
+    return (tuple(describe(t, config.block_m) for t in row_tensors),
+            tuple(describe(t, config.block_n) for t in key_tensors))
 
 
 def supports_reduce(q: torch.Tensor, head_dim: int) -> bool:

@@ -23,8 +23,8 @@ from ._kernels.backward import (DQ_MODES, attention_backward_dkdv_kernel, attent
                                 attention_backward_preprocess_kernel)
 from ._kernels.forward import attention_forward_kernel
 from . import hopper
-from .configs import (PREPROCESS_WARPS, backward_config, forward_config, head_dim_block, hopper_forward_config,
-                      preprocess_block_m)
+from .configs import (HOPPER_MIN_FLOPS, PREPROCESS_WARPS, backward_config, forward_config, head_dim_block,
+                      hopper_forward_config, preprocess_block_m)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -187,9 +187,11 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
     return out.permute(sorted(range(q.dim()), key=order.__getitem__))
 
 
-def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse):
+def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
+                sequence_order=None):
     """Launches the forward kernel for a plan: returns (out, lse), lse None unless `write_lse`.
-    `key` (None: Triton's ordinary launch path) must determine the plan, as `_plan_key` does."""
+    `key` (None: Triton's ordinary launch path) must determine the plan, as `_plan_key` does.
+    Packed batches pass their cumulative lengths and `sequence_order` (`varlen.longest_first`)."""
     if plan.contiguous:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = _output_like(q)
@@ -209,7 +211,7 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
                                    *_row_strides(out, packed)) + plan.kernel_options
     cfg = plan.config
     _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, cu_seqlens_q, cu_seqlens_k,
-                                     scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E) + tail,
+                                     sequence_order, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E) + tail,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     return out, lse
 
@@ -247,7 +249,7 @@ class _BackwardPlan:
 
     __slots__ = ("empty", "copy_last_dim", "config", "default_scale", "softcap", "packed", "lse_shape",
                  "device_index", "preprocess_grid", "dkdv_grid", "dq_grid", "preprocess_options", "dkdv_options",
-                 "dq_options", "dq_mode")
+                 "dq_options", "dq_mode", "tma")
 
     def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None):
         grad_output, q, k, v, out, _ = tensors
@@ -282,6 +284,15 @@ class _BackwardPlan:
         if path == "tma" and not hopper.supports_reduce(q, head_dim):
             path = "atomic"
         self.dq_mode = DQ_MODES[path]
+        # Tiles through tensor descriptors (configs.BackwardConfig.tma) where TMA can address the
+        # tensors, and the gradients laid out like them, and the call is long enough to hide the
+        # host time of building descriptors. Packed batches store their gradients through
+        # pointers (a tile's rows past a sequence's end belong to the next one), and need the dQ
+        # kernel: a fused dQ would sum the next sequence's keys into it.
+        flops = 4.0 * batch * heads_q * seqlen_q * seqlen_k * head_dim
+        self.tma = (cfg.tma and not self.copy_last_dim and (config is not None or flops >= HOPPER_MIN_FLOPS)
+                    and not (packed and self.dq_mode != DQ_MODES["kernel"])
+                    and hopper.supports_backward(tensors[:5], head_dim))
 
 
 _BACKWARD_PLANS: dict = {}
@@ -320,8 +331,9 @@ def _check_deterministic(deterministic) -> None:
 
 
 def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                 softmax_scale, grad_lse):
+                 softmax_scale, grad_lse, sequence_order=None):
     """Launches the backward kernels for a plan: returns (dq, dk, dv) with the layouts of q, k, v.
+    Packed batches pass their cumulative lengths and `sequence_order` as for `run_forward`.
 
     `grad_lse`, the gradient of lse when a caller differentiated it too, enters through delta:
     d lse_i / d s_ij = p_ij, so it adds p * grad_lse to dS.
@@ -335,35 +347,53 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     delta = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     packed = plan.packed
     so, sdo = _row_strides(out, packed), _row_strides(grad_output, packed)
-    _BACKWARD_PREPROCESS.launch(key, plan.preprocess_grid,
-                                (out, grad_output, delta, *so, *sdo) + plan.preprocess_options,
-                                num_warps=PREPROCESS_WARPS, num_stages=1, device_index=plan.device_index)
-    if grad_lse is not None:
-        delta.sub_(grad_lse)
+    mode = plan.dq_mode
+    # The dQ kernel computes delta itself unless it does not run or lse has a gradient to add.
+    delta_here = mode == DQ_MODES["kernel"] and grad_lse is None
+    if not delta_here:
+        _BACKWARD_PREPROCESS.launch(key, plan.preprocess_grid,
+                                    (out, grad_output, delta, *so, *sdo) + plan.preprocess_options,
+                                    num_warps=PREPROCESS_WARPS, num_stages=1, device_index=plan.device_index)
+        if grad_lse is not None:
+            delta.sub_(grad_lse)
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
     softcap = plan.softcap
     scales = (scale, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E)
     sq, sk, sv, sdq, sdk, sdv = (_row_strides(t, packed) for t in (q, k, v, dq, dk, dv))
     cfg = plan.config
-    mode = plan.dq_mode
-    if mode == DQ_MODES["kernel"]:
+    tma = plan.tma
+    if tma:  # descriptors hold data pointers: built per call, launched on Triton's ordinary path
+        key = None
+    if mode == DQ_MODES["kernel"]:  # first: it writes delta for the dK/dV kernel
+        if tma:
+            (q_, do_, dq_), (k_, v_) = hopper.backward_descriptors((q, grad_output, dq), (k, v), cfg.dq)
+            if packed:
+                dq_ = dq
+        else:
+            q_, k_, v_, do_, dq_ = q, k, v, grad_output, dq
+        _BACKWARD_DQ.launch(
+            key, plan.dq_grid,
+            (q_, k_, v_, do_, out, lse, delta, dq_, cu_seqlens_q, cu_seqlens_k, sequence_order, *scales,
+             *sq, *sk, *sv, *sdo, *so, *sdq) + plan.dq_options + (tma, delta_here),
+            num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, device_index=plan.device_index)
         dq_acc, dq_target, sacc = None, None, (0, 0, 0)
     else:  # fp32 accumulator with dq's layout, scaled in the kernel
         dq_acc = torch.zeros_like(dq, dtype=torch.float32)
         sacc = _row_strides(dq_acc, packed)
         dq_target = hopper.reduce_descriptor(dq_acc, packed, cfg.dkdv.block_m) if mode == DQ_MODES["tma"] else dq_acc
+    if tma:
+        (q_, do_), (k_, v_, dk_, dv_) = hopper.backward_descriptors((q, grad_output), (k, v, dk, dv), cfg.dkdv)
+        if packed:
+            dk_, dv_ = dk, dv
+    else:
+        q_, k_, v_, do_, dk_, dv_ = q, k, v, grad_output, dk, dv
     _BACKWARD_DKDV.launch(
         key, plan.dkdv_grid,
-        (q, k, v, grad_output, lse, delta, dk, dv, dq_target, cu_seqlens_q, cu_seqlens_k, *scales,
-         *sq, *sk, *sv, *sdo, *sdk, *sdv, *sacc) + plan.dkdv_options + (mode,),
+        (q_, k_, v_, do_, lse, delta, dk_, dv_, dq_target, cu_seqlens_q, cu_seqlens_k, sequence_order, *scales,
+         *sq, *sk, *sv, *sdo, *sdk, *sdv, *sacc) + plan.dkdv_options + (mode, tma),
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, device_index=plan.device_index)
     if dq_acc is not None:
-        return dq.copy_(dq_acc), dk, dv
-    _BACKWARD_DQ.launch(
-        key, plan.dq_grid,
-        (q, k, v, grad_output, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *scales,
-         *sq, *sk, *sv, *sdo, *sdq) + plan.dq_options,
-        num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, device_index=plan.device_index)
+        dq.copy_(dq_acc)
     return dq, dk, dv
 
 

@@ -5,7 +5,9 @@ interface: q (total_q, Hq, D) holds the queries of sequence b in rows
 cu_seqlens_q[b]:cu_seqlens_q[b + 1], k and v (total_k, Hkv, D) its keys in rows
 cu_seqlens_k[b]:cu_seqlens_k[b + 1]. Nothing is padded: the kernels (the dense ones with VARLEN
 on, through the launch path of `interface.py`) run ceil(max_seqlen / BLOCK) programs per
-(sequence, head), and a program past its sequence's end returns at once.
+(sequence, head), and a program past its sequence's end returns at once. The grid takes the
+sequences longest first (`longest_first`): a program's work grows with its sequence's length, and
+starting the longest ones first leaves the short ones to fill the GPU at the end.
 
 Malformed cu_seqlens would make the kernels read and write outside the tensors, so their values
 are checked. Values on the GPU cost a device-to-host copy to read, which waits for the work
@@ -123,6 +125,42 @@ def _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
             raise ValueError(f"{max_name} ({bound}) is smaller than the longest sequence in {name} ({longest})")
 
 
+class _LongestFirst:
+    """The sequences of a packed batch, longest first: an int32 tensor on the device that the
+    kernels read to map their grid's sequence index, so that the programs of the longest
+    sequences (the longest programs) start first and those of short ones fill the tail. Length is
+    query plus key tokens; ties keep batch order. Computed on the device, so no value is read back.
+
+    Kept like `_CheckedLengths`'s facts (weak references and version counters of both cu_seqlens
+    tensors), so the layers of a model that share one batch compute it once; computed per call
+    for tensors without version counters and while a CUDA graph is being captured.
+    """
+
+    _MAX_ENTRIES = 64
+
+    def __init__(self):
+        self._orders: dict = {}
+
+    def __call__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+        key = (id(cu_seqlens_q), id(cu_seqlens_k))
+        versions = (_version(cu_seqlens_q), _version(cu_seqlens_k))
+        entry = self._orders.get(key)
+        if (entry is not None and entry[0]() is cu_seqlens_q and entry[1]() is cu_seqlens_k and None not in versions
+                and entry[2] == versions):
+            return entry[3]
+        lengths = cu_seqlens_q.diff() + cu_seqlens_k.diff()
+        order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+        capturing = cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if None not in versions and not capturing:
+            if len(self._orders) >= self._MAX_ENTRIES:
+                self._orders.clear()
+            self._orders[key] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), versions, order)
+        return order
+
+
+longest_first = _LongestFirst()
+
+
 def _varlen_key(tensors, cu_seqlens_q, cu_seqlens_k, *options):
     """What determines a packed call's plan and kernel specialisation (as `interface._plan_key`)."""
     return (tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors),
@@ -155,7 +193,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     elif softmax_scale is not None:
         _check_options(causal, softmax_scale)
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
-    return run_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse)
+    return run_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
+                       longest_first(cu_seqlens_q, cu_seqlens_k))
 
 
 def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -182,7 +221,7 @@ def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
         _check_options(causal, softmax_scale)
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     return run_backward(plan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                        grad_lse)
+                        grad_lse, longest_first(cu_seqlens_q, cu_seqlens_k))
 
 
 class _VarlenFunction(torch.autograd.Function):

@@ -28,12 +28,19 @@ The launches (kernels in `_kernels/backward.py`), none read back by the host:
 Every output element is written by one program with a fixed summation order: the gradients
 are bitwise reproducible (no atomics anywhere). Each launch is a function of the plan, so
 `bench moe --sweep --mode fwd+bwd` times one alone under a plan with a forced configuration.
+
+With the configuration's `tma` (sm90 and later), each launch whose tensors the tensor memory
+accelerator can address (`tma_addressable`) passes its dense-tile operands as tensor
+descriptors (see `_kernels/backward.py`). A descriptor holds its tensor's data pointer, so
+it is built per call and the kernel launched on Triton's ordinary path (key None), as the
+attention's Hopper forward does; the others take the pointer kernels with the same tiles.
 """
 from __future__ import annotations
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..device import info_for
+from ..device import info_for, interpreter_active
 from ..launch import KernelLauncher
 from . import configs, experts, routing
 from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
@@ -49,10 +56,12 @@ class BackwardPlan:
     """Sizes, configuration and grids of a backward call (from shapes, strides and dtypes).
 
     `config` forces a BackwardConfig in place of the table's (for sweeps); launch such a plan
-    with key None, since the launchers cache compiled kernels by the call's facts alone."""
+    with key None, since the launchers cache compiled kernels by the call's facts alone.
+    `tma`: the configuration asks for tensor descriptors and the device has TMA (sm90 or later;
+    the CPU interpreter emulates descriptor loads); each launch still checks its tensors."""
 
     __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "block_m", "num_blocks", "config",
-                 "copy_x", "copy_w1", "copy_w2", "grad_gate_up_tiles", "grids", "device_index")
+                 "copy_x", "copy_w1", "copy_w2", "grad_gate_up_tiles", "grids", "device_index", "tma")
 
     def __init__(self, x, w1, w2, topk_ids, block_expert, sorted_pairs,
                  config: configs.BackwardConfig | None = None):
@@ -63,8 +72,10 @@ class BackwardPlan:
         # The forward chose BLOCK_M (T > 0 here, so there is at least one block); the saved
         # layout says which.
         self.block_m = sorted_pairs.numel() // self.num_blocks
-        self.config = config or configs.backward_config(info_for(x), x.element_size(), self.block_m,
+        device = info_for(x)
+        self.config = config or configs.backward_config(device, x.element_size(), self.block_m,
                                                         configs.pairs_per_expert(T, self.top_k, E))
+        self.tma = self.config.tma and (device.capability >= 90 if x.is_cuda else interpreter_active())
         self.copy_x = x.stride(1) != 1
         self.copy_w1 = w1.stride(2) != 1
         self.copy_w2 = w2.stride(2) != 1
@@ -90,6 +101,22 @@ def expert_block_ranges(block_expert: torch.Tensor, num_experts: int) -> torch.T
     return torch.searchsorted(sorted_experts, boundaries, out_int32=True)
 
 
+def tma_addressable(*tensors: torch.Tensor) -> bool:
+    """Whether the tensor memory accelerator can address these tensors: base 16-byte aligned,
+    every stride but the last a multiple of 16 bytes, the last 1, no empty dimension (the
+    device was checked once, in BackwardPlan.tma)."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.numel() == 0:
+            return False
+        if any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, block) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
 def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert,
                         block_rows, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
                         need_weight_grads: bool) -> None:
@@ -97,12 +124,13 @@ def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_
     into grad_weight_parts (plan.grad_gate_up_tiles, T * k) fp32, and with need_weight_grads
     w_p * h_p (layout rows, I) into weighted_h and each row's token into row_tokens (layout rows,)."""
     g = plan.config.grad_gate_up
+    tma = plan.tma and tma_addressable(w2)
     _GRAD_GATE_UP.launch(
-        key, plan.grids["grad_gate_up"],
-        (grad_out, w2, h, h_grads, topk_weights, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
-         sorted_pairs, block_expert, block_rows, plan.num_blocks, plan.num_tokens * plan.top_k, plan.hidden,
-         plan.inter, plan.top_k, int(need_weight_grads), grad_out.stride(0), w2.stride(0), w2.stride(1),
-         plan.block_m, g.block_n, g.block_k, g.group_m),
+        None if tma else key, plan.grids["grad_gate_up"],
+        (grad_out, _descriptor(w2, (1, g.block_k, g.block_n)) if tma else w2, h, h_grads, topk_weights,
+         grad_gate_up, weighted_h, row_tokens, grad_weight_parts, sorted_pairs, block_expert, block_rows,
+         plan.num_blocks, plan.num_tokens * plan.top_k, plan.hidden, plan.inter, plan.top_k, int(need_weight_grads),
+         grad_out.stride(0), w2.stride(0), w2.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
@@ -110,36 +138,47 @@ def launch_grad_x(key, plan: BackwardPlan, grad_gate_up, w1, grad_x_pairs, sorte
                   block_rows) -> None:
     """grad_x_pairs (T * k, H): row p = w1[e].T @ grad_gate_up[row of p]."""
     g = plan.config.grad_x
+    tma = plan.tma and tma_addressable(grad_gate_up, w1)
+    if tma:
+        grad_gate_up = _descriptor(grad_gate_up, (plan.block_m, g.block_k))
+        w1_arg = _descriptor(w1, (1, g.block_k, g.block_n))
+    else:
+        w1_arg = w1
     _GRAD_X.launch(
-        key, plan.grids["grad_x"],
-        (grad_gate_up, w1, grad_x_pairs, sorted_pairs, block_expert, block_rows, plan.num_blocks, plan.hidden,
-         plan.inter, w1.stride(0), w1.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m),
+        None if tma else key, plan.grids["grad_x"],
+        (grad_gate_up, w1_arg, grad_x_pairs, sorted_pairs, block_expert, block_rows, plan.num_blocks, plan.hidden,
+         plan.inter, w1.stride(0), w1.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
-def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, gathered_stride, row_tokens,
-                        expert_blocks) -> None:
+def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, layout_index, block, gathered_stride,
+                        row_tokens, expert_blocks) -> None:
     """One weight-gradient kernel (`name`: grad_w1 or grad_w2): `operands` are its two inputs and
-    its output in the kernel's argument order, `gathered_stride` the row stride of the input it
-    gathers by token."""
+    its output in the kernel's argument order, operands[layout_index] the input read in layout
+    order (a descriptor of `block` tiles with TMA), `gathered_stride` the row stride of the
+    input it gathers by token."""
     g = getattr(plan.config, name)
+    tma = plan.tma and tma_addressable(operands[layout_index])
+    if tma:
+        operands = list(operands)
+        operands[layout_index] = _descriptor(operands[layout_index], block(g))
     launcher.launch(
-        key, plan.grids[name],
+        None if tma else key, plan.grids[name],
         (*operands, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m, gathered_stride, g.block_m,
-         g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0),
+         g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
 def launch_grad_w1(key, plan: BackwardPlan, grad_gate_up, x, grad_w1, row_tokens, expert_blocks) -> None:
     """grad_w1 (E, 2I, H): grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e]."""
-    _launch_weight_grad(_GRAD_W1, "grad_w1", key, plan, (grad_gate_up, x, grad_w1), x.stride(0), row_tokens,
-                        expert_blocks)
+    _launch_weight_grad(_GRAD_W1, "grad_w1", key, plan, (grad_gate_up, x, grad_w1), 0,
+                        lambda g: (g.block_k, g.block_m), x.stride(0), row_tokens, expert_blocks)
 
 
 def launch_grad_w2(key, plan: BackwardPlan, grad_out, weighted_h, grad_w2, row_tokens, expert_blocks) -> None:
     """grad_w2 (E, H, I): grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e]."""
-    _launch_weight_grad(_GRAD_W2, "grad_w2", key, plan, (grad_out, weighted_h, grad_w2), grad_out.stride(0),
-                        row_tokens, expert_blocks)
+    _launch_weight_grad(_GRAD_W2, "grad_w2", key, plan, (grad_out, weighted_h, grad_w2), 1,
+                        lambda g: (g.block_k, g.block_n), grad_out.stride(0), row_tokens, expert_blocks)
 
 
 def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:

@@ -9,13 +9,16 @@ gradient of the output:
 Three kernels, each output element written by exactly one program that sums in a fixed order,
 so gradients are bitwise reproducible (no atomics, unless a sweep asks for a fused dQ below):
 
-* `attention_backward_preprocess_kernel` computes delta (fp32, one value per query row).
+* `attention_backward_preprocess_kernel` computes delta (fp32, one value per query row) where
+  the dQ kernel does not: for the fused dQ paths, and when lse has a gradient of its own.
+* `attention_backward_dq_kernel`: one program per block of BLOCK_M query rows of one (batch,
+  query head), Q and dO on chip, walking the key blocks. It runs first: with DELTA_HERE it loads
+  its rows of O as well, computes their delta and stores it for the dK/dV kernel, which saves a
+  launch and a second pass over dO.
 * `attention_backward_dkdv_kernel`: one program per block of BLOCK_N keys of one (batch, kv head).
   K and V stay on chip while the program walks the query blocks of every query head of its GQA
   group, so dK and dV are summed over the group in registers and written once. It works on the
   transposed tiles (S^T = K Q^T) so that dV += P^T dO and dK += dS^T Q are plain products.
-* `attention_backward_dq_kernel`: one program per block of BLOCK_M query rows of one (batch,
-  query head), Q and dO on chip, walking the key blocks.
 
 Splitting dQ from dK/dV recomputes S and dP once more (seven block products per block pair
 instead of five), the price of never accumulating dQ across programs. The dK/dV kernel can also
@@ -101,6 +104,19 @@ def attention_backward_preprocess_kernel(
 
 
 @triton.jit
+def _descriptor_tile(desc, coords, rows, num_rows, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ZERO_TAIL: tl.constexpr):
+    """A (BLOCK_ROWS, BLOCK_D) tile through a 4-D descriptor at `coords`. Past the tensor the
+    copy engine fills zeros; with ZERO_TAIL rows at or past `num_rows` (a packed sequence's end,
+    where the next sequence's rows follow) are zeroed too, so that no value of another sequence,
+    finite or not, reaches a product."""
+    tile = desc.load(coords).reshape(BLOCK_ROWS, BLOCK_D)
+    if ZERO_TAIL:
+        tile = tl.where((rows < num_rows)[:, None], tile, tl.zeros_like(tile))
+    return tile
+
+
+@triton.jit
 def _block_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
     """Block counts of the runs `band_blocks` describes: (masked before, unmasked, masked after).
     The masked runs are [lo, min(full_lo, hi)) and [full_hi, hi), the unmasked [full_lo, full_hi)."""
@@ -133,7 +149,8 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, idx, num_blocks, fi
                     diag_hi, softmax_scale, scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh,
                     stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_aqb, stride_aqh,
                     stride_aqm, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DQ_MODE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DQ_MODE: tl.constexpr,
+                    TMA: tl.constexpr, VARLEN: tl.constexpr):
     """Step `idx` of a loop over (query head of the group, query block) pairs: one BLOCK_M block
     of query rows against the program's BLOCK_N keys, on transposed tiles. The blocks of a loop
     are one run from `first_m`, or (masked loops) `num_first` blocks from `first_m` then the rest
@@ -146,11 +163,16 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, idx, num_blocks, fi
         start_m = first_m + i * BLOCK_M
     rows = start_m + offs_m
     row64 = tl.cast(q_start + start_m, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
-    q_ptrs = Q + (b64 * stride_qb + h64 * stride_qh + row64 * stride_qm) + q_tile
-    do_ptrs = DO + (b64 * stride_dob + h64 * stride_doh + row64 * stride_dom) + do_tile
     row_offsets = b64 * stride_lb + h64 * stride_lh + row64 + offs_m
-    q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    if TMA:
+        coords = [acc_b, h64.to(tl.int32), q_start + start_m, 0]
+        q = _descriptor_tile(Q, coords, rows, seqlen_q, BLOCK_M, BLOCK_D, MASKED and VARLEN)
+        do = _descriptor_tile(DO, coords, rows, seqlen_q, BLOCK_M, BLOCK_D, MASKED and VARLEN)
+    else:
+        q_ptrs = Q + (b64 * stride_qb + h64 * stride_qh + row64 * stride_qm) + q_tile
+        do_ptrs = DO + (b64 * stride_dob + h64 * stride_doh + row64 * stride_dom) + do_tile
+        q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     if MASKED:
         lse = tl.load(LSE + row_offsets, mask=rows < seqlen_q, other=float("-inf"))
         delta = tl.load(DELTA + row_offsets, mask=rows < seqlen_q, other=0.0)
@@ -185,7 +207,7 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, idx, num_blocks, fi
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER,
     softmax_scale, scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -197,7 +219,7 @@ def attention_backward_dkdv_kernel(
     stride_lb, stride_lh,
     num_heads_kv, group_size, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DQ_MODE: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DQ_MODE: tl.constexpr, TMA: tl.constexpr,
 ):
     # Key blocks of one kv head are adjacent in the grid so that they share Q and dO in L2. Under
     # causal masking the first key blocks are seen by the most query rows: heaviest run first.
@@ -208,8 +230,8 @@ def attention_backward_dkdv_kernel(
     b64 = b.to(tl.int64)
     h_kv64 = (pid_bh % num_heads_kv).to(tl.int64)
     start_n = pid_n * BLOCK_N
-    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k,
-                                                            VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
+                                                            seqlen_k, VARLEN)
     if VARLEN:
         if start_n >= seqlen_k:
             return
@@ -218,10 +240,19 @@ def attention_backward_dkdv_kernel(
     keys = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     keys64 = (k_start + keys[:, None]).to(tl.int64)
-    k = load_tile(K + b64 * stride_kb + h_kv64 * stride_kh + keys64 * stride_kn + offs_d[None, :], keys, seqlen_k,
-                  offs_d, HEAD_DIM, BLOCK_D, True)
-    v = load_tile(V + b64 * stride_vb + h_kv64 * stride_vh + keys64 * stride_vn + offs_d[None, :], keys, seqlen_k,
-                  offs_d, HEAD_DIM, BLOCK_D, True)
+    acc_b = 0 if VARLEN else b  # a packed batch is one (1, H, total, D) entry of descriptors and DQ_ACC
+    if TMA:
+        # Key rows past a packed sequence's end hold the next sequence's keys: they only reach
+        # their own dK and dV rows, which are never stored.
+        k = _descriptor_tile(K, [acc_b, h_kv64.to(tl.int32), k_start + start_n, 0], keys, seqlen_k, BLOCK_N,
+                             BLOCK_D, False)
+        v = _descriptor_tile(V, [acc_b, h_kv64.to(tl.int32), k_start + start_n, 0], keys, seqlen_k, BLOCK_N,
+                             BLOCK_D, False)
+    else:
+        k = load_tile(K + b64 * stride_kb + h_kv64 * stride_kh + keys64 * stride_kn + offs_d[None, :], keys,
+                      seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        v = load_tile(V + b64 * stride_vb + h_kv64 * stride_vh + keys64 * stride_vn + offs_d[None, :], keys,
+                      seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -241,45 +272,54 @@ def attention_backward_dkdv_kernel(
     q_tile = offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
     do_tile = offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :]
     dq_tile = offs_m[:, None].to(tl.int64) * stride_aqm + offs_d[None, :]
-    acc_b = 0 if VARLEN else b  # a packed batch's dQ accumulator is one (1, Hq, total_q, D) entry
     for idx in range(0, group_size * num_masked):
         dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, idx, num_masked, lo, num_before, full_hi,
                                  b64, acc_b, h_kv64, group_size, q_tile, do_tile, dq_tile, offs_m, keys, offs_d,
                                  q_start, seqlen_q, diag_lo, diag_hi, softmax_scale, scale_log2, softcap_scale,
                                  softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_aqb, stride_aqh, stride_aqm,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, SOFTCAP, DQ_MODE)
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, SOFTCAP, DQ_MODE, TMA, VARLEN)
     for idx in range(0, group_size * num_full):
         dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, idx, num_full, full_lo, num_full, full_lo,
                                  b64, acc_b, h_kv64, group_size, q_tile, do_tile, dq_tile, offs_m, keys, offs_d,
                                  q_start, seqlen_q, diag_lo, diag_hi, softmax_scale, scale_log2, softcap_scale,
                                  softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_aqb, stride_aqh, stride_aqm,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, SOFTCAP, DQ_MODE)
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, SOFTCAP, DQ_MODE, TMA, VARLEN)
 
     dk = dk * softmax_scale
-    dk_ptrs = DK + b64 * stride_dkb + h_kv64 * stride_dkh + keys64 * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + b64 * stride_dvb + h_kv64 * stride_dvh + keys64 * stride_dvn + offs_d[None, :]
-    key_mask = (keys[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_mask)
+    if TMA and not VARLEN:  # the descriptor drops rows past Sk and columns past HEAD_DIM
+        DK.store([b, h_kv64.to(tl.int32), start_n, 0], dk.to(DK.dtype).reshape(1, 1, BLOCK_N, BLOCK_D))
+        DV.store([b, h_kv64.to(tl.int32), start_n, 0], dv.to(DV.dtype).reshape(1, 1, BLOCK_N, BLOCK_D))
+    else:
+        dk_ptrs = DK + b64 * stride_dkb + h_kv64 * stride_dkh + keys64 * stride_dkn + offs_d[None, :]
+        dv_ptrs = DV + b64 * stride_dvb + h_kv64 * stride_dvh + keys64 * stride_dvn + offs_d[None, :]
+        key_mask = (keys[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_mask)
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_mask)
 
 
 @triton.jit
-def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, i, lo, num_first, second_n, rows, offs_n,
-                      offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2, stride_kn,
+def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, lo, num_first, second_n, rows,
+                      offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2, stride_kn,
                       stride_vn, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                      MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr):
     """The program's BLOCK_M query rows against key block `i` of a loop: one run of blocks from
-    `lo`, or (masked loops) `num_first` blocks from `lo` then the rest from `second_n`."""
+    `lo`, or (masked loops) `num_first` blocks from `lo` then the rest from `second_n`. With TMA,
+    k_ptrs and v_ptrs are the K and V descriptors and kv_coords their (batch, head, first row)."""
     if MASKED:
         start_n = tl.where(i < num_first, lo + i * BLOCK_N, second_n + (i - num_first) * BLOCK_N)
     else:
         start_n = lo + i * BLOCK_N
     keys = start_n + offs_n
-    start64 = tl.cast(start_n, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
-    k = load_tile(k_ptrs + start64 * stride_kn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    v = load_tile(v_ptrs + start64 * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    if TMA:
+        coords = [kv_coords[0], kv_coords[1], kv_coords[2] + start_n, 0]
+        k = _descriptor_tile(k_ptrs, coords, keys, seqlen_k, BLOCK_N, BLOCK_D, MASKED and VARLEN)
+        v = _descriptor_tile(v_ptrs, coords, keys, seqlen_k, BLOCK_N, BLOCK_D, MASKED and VARLEN)
+    else:
+        start64 = tl.cast(start_n, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
+        k = load_tile(k_ptrs + start64 * stride_kn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_tile(v_ptrs + start64 * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     p, t = _scores_to_probabilities(tl.dot(q, tl.trans(k)), lse_log2, scale_log2, softcap_scale, softcap_log2,
                                     SOFTCAP, False)
     if MASKED:
@@ -294,17 +334,18 @@ def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, i, lo, num_fir
 
 @triton.jit
 def attention_backward_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, O, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER,
     softmax_scale, scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
+    stride_ob, stride_oh, stride_om,
     stride_dqb, stride_dqh, stride_dqm,
     stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr, DELTA_HERE: tl.constexpr,
 ):
     # Query blocks of one head adjacent (they share K and V in L2); under causal masking the last
     # query block sees the most keys, so blocks run last-first to shorten the tail.
@@ -317,8 +358,8 @@ def attention_backward_dq_kernel(
     h64 = h.to(tl.int64)
     h_kv64 = (h // group_size).to(tl.int64)
     start_m = pid_m * BLOCK_M
-    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k,
-                                                            VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
+                                                            seqlen_k, VARLEN)
     if VARLEN:
         if start_m >= seqlen_q:
             return
@@ -328,16 +369,32 @@ def attention_backward_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     in_q = rows < seqlen_q
     rows64 = (q_start + rows[:, None]).to(tl.int64)
-    q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + rows64 * stride_qm + offs_d[None, :], rows, seqlen_q,
-                  offs_d, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + rows64 * stride_dom + offs_d[None, :], rows, seqlen_q,
-                   offs_d, HEAD_DIM, BLOCK_D, True)
+    tma_b = 0 if VARLEN else b  # a packed batch is one (1, H, total, D) entry of the descriptors
+    kv_coords = (tma_b, h_kv64.to(tl.int32), k_start)
+    if TMA:
+        # Query rows past a packed sequence's end (the next sequence's) only reach their own,
+        # unstored dQ rows: their lse reads as -inf, so every p of theirs is 0.
+        q = Q.load([tma_b, h, q_start + start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = DO.load([tma_b, h, q_start + start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        k_ptrs = K
+        v_ptrs = V
+    else:
+        q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + rows64 * stride_qm + offs_d[None, :], rows, seqlen_q,
+                      offs_d, HEAD_DIM, BLOCK_D, True)
+        do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + rows64 * stride_dom + offs_d[None, :], rows,
+                       seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        kv_rows = (k_start + offs_n[:, None]).to(tl.int64)
+        k_ptrs = K + b64 * stride_kb + h_kv64 * stride_kh + kv_rows * stride_kn + offs_d[None, :]
+        v_ptrs = V + b64 * stride_vb + h_kv64 * stride_vh + kv_rows * stride_vn + offs_d[None, :]
     row_offsets = b64 * stride_lb + h64 * stride_lh + (q_start + rows).to(tl.int64)
     lse_log2 = _lse_log2(tl.load(LSE + row_offsets, mask=in_q, other=float("-inf")))
-    delta = tl.load(DELTA + row_offsets, mask=in_q, other=0.0)
-    kv_rows = (k_start + offs_n[:, None]).to(tl.int64)
-    k_ptrs = K + b64 * stride_kb + h_kv64 * stride_kh + kv_rows * stride_kn + offs_d[None, :]
-    v_ptrs = V + b64 * stride_vb + h_kv64 * stride_vh + kv_rows * stride_vn + offs_d[None, :]
+    if DELTA_HERE:  # the preprocess's work on this program's rows, for it and the dK/dV kernel after it
+        o = load_tile(O + b64 * stride_ob + h64 * stride_oh + rows64 * stride_om + offs_d[None, :], rows, seqlen_q,
+                      offs_d, HEAD_DIM, BLOCK_D, True)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + row_offsets, delta, mask=in_q)
+    else:
+        delta = tl.load(DELTA + row_offsets, mask=in_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The key blocks of the forward's band: those on its edges (and the partial last key block,
@@ -347,14 +404,19 @@ def attention_backward_dq_kernel(
                                                                BLOCK_M, BLOCK_N)
     num_before, num_full, num_after = _block_runs(lo, full_lo, full_hi, hi, BLOCK_N)
     for i in range(0, num_before + num_after):
-        dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, i, lo, num_before, full_hi, rows, offs_n,
-                               offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                               stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, True, SOFTCAP)
+        dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, lo, num_before, full_hi,
+                               rows, offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
+                               softcap_log2, stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, True, SOFTCAP, TMA,
+                               VARLEN)
     for i in range(0, num_full):
-        dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, i, full_lo, num_full, full_lo, rows,
-                               offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                               stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, False, SOFTCAP)
+        dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, full_lo, num_full, full_lo,
+                               rows, offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
+                               softcap_log2, stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, False, SOFTCAP, TMA,
+                               VARLEN)
 
     dq = dq * softmax_scale
-    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + rows64 * stride_dqm + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=in_q[:, None] & (offs_d[None, :] < HEAD_DIM))
+    if TMA and not VARLEN:
+        DQ.store([b, h, start_m, 0], dq.to(DQ.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + rows64 * stride_dqm + offs_d[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=in_q[:, None] & (offs_d[None, :] < HEAD_DIM))

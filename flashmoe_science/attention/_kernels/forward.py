@@ -83,10 +83,13 @@ def tanh(x):
 
 
 @triton.jit
-def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """(q_start, seqlen_q, k_start, seqlen_k) of sequence b: from the cumulative lengths of a
-    variable-length batch, else the dense batch's own (rows start at 0 of each batch entry)."""
+def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k) of the program's sequence: in a variable-length
+    batch the b-th of SEQUENCE_ORDER (longest first, so that the longest programs start first and
+    short ones fill the tail), from the cumulative lengths; else the dense batch's own (rows
+    start at 0 of each batch entry)."""
     if VARLEN:
+        b = tl.load(SEQUENCE_ORDER + b)
         q_start = tl.load(CU_SEQLENS_Q + b)
         seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
         k_start = tl.load(CU_SEQLENS_K + b)
@@ -148,7 +151,7 @@ def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, off
 
 @triton.jit
 def attention_forward_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER,
     scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -161,8 +164,8 @@ def attention_forward_kernel(
 ):
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
 
-    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, seqlen_q, seqlen_k,
-                                                           VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
+                                                           seqlen_k, VARLEN)
     if VARLEN:
         if pid_m * BLOCK_M >= seqlen_q:
             return

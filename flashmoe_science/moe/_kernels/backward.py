@@ -25,6 +25,17 @@ Four kernels, each output element written by exactly one program, every sum in a
   expert without tokens gets a zero gradient.
 Padding rows of the layout are masked on load (or hold zeros where a kernel reads them
 unmasked, as documented at each); blocks past the last expert exit at once.
+
+With TMA (sm90) the operands read as dense tiles (the layout-order operand of the weight
+gradients, w2 in grad_gate_up, both of grad_x) come through tensor descriptors instead of
+pointer loads; the operand gathered by token stays a pointer load. A descriptor load fills
+elements past the tensor's bounds with zeros, where the pointer path masks them to zeros; the
+weight tensors' descriptors are 3-D, (E, rows, columns), so a tile never reaches into the next
+expert; a weight-gradient step that passes its expert's last row is masked as the pointer
+path masks it (`_past_expert_zeroed`). So the same tiles meet the same products in the same
+order, and the results are the same bits. The caller passes a
+`triton.tools.tensor_descriptor.TensorDescriptor` in the operand's pointer argument, with the
+block shape given at each kernel.
 """
 import triton
 import triton.language as tl
@@ -40,8 +51,10 @@ def grad_gate_up_kernel(
     num_blocks_m, num_pairs, H, I, top_k, weight_grad_operands,
     stride_gt, stride_we, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """grad_out: (T, H), row stride stride_gt; w2: (E, H, I), strides (stride_we, stride_wn, 1);
+    """grad_out: (T, H), row stride stride_gt; w2: (E, H, I), strides (stride_we, stride_wn, 1)
+    (TMA: a descriptor of it, blocks (1, BLOCK_K, BLOCK_N));
     h: (rows, I) and h_grads: (rows, 2I) [dh/dgate, dh/dup], the forward's, layout order;
     weights: (T * top_k,) fp32.
 
@@ -65,14 +78,20 @@ def grad_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     dy_ptrs = grad_out_ptr + wide_offset(pairs // top_k, stride_gt)[:, None] + offs_k[None, :]
     # w2[e] is (H, I) with I contiguous: the (BLOCK_K, BLOCK_N) tile w2[e, k, n] is row-major.
-    w_ptrs = w2_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None] + offs_n[None, :]
+    if not TMA:
+        w_ptrs = w2_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None] + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         a = tl.load(dy_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+        if TMA:
+            b = w2_ptr.load([expert, k0, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
         dy_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wn
+        if not TMA:
+            w_ptrs += BLOCK_K * stride_wn
     if weight_grad_operands:
         if pid_n == 0:
             tl.store(row_tokens_ptr + rows, tl.where(row_ok, pairs // top_k, -1))
@@ -101,9 +120,11 @@ def grad_x_kernel(
     num_blocks_m, H, I,
     stride_we, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """grad_gate_up: (rows, 2I) contiguous, layout order; w1: (E, 2I, H), strides (stride_we,
-    stride_wn, 1); grad_x_pairs: (T * top_k, H) contiguous, row p = w1[e].T @ grad_gate_up[row of p]."""
+    stride_wn, 1); grad_x_pairs: (T * top_k, H) contiguous, row p = w1[e].T @ grad_gate_up[row of p].
+    TMA: grad_gate_up and w1 are descriptors, blocks (BLOCK_M, BLOCK_K) and (1, BLOCK_K, BLOCK_N)."""
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
                                                BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
@@ -111,16 +132,26 @@ def grad_x_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = grad_gate_up_ptr + wide_offset(rows, 2 * I)[:, None] + offs_k[None, :]
-    # w1[e] is (2I, H) with H contiguous: the (BLOCK_K, BLOCK_N) tile w1[e, k, n] is row-major.
-    w_ptrs = w1_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None] + offs_n[None, :]
+    if TMA:
+        # The block's first layout row, from _tile's pid_m (the same arithmetic, which the
+        # compiler shares).
+        first_row = _tile_coordinates(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)[0] * BLOCK_M
+    else:
+        a_ptrs = grad_gate_up_ptr + wide_offset(rows, 2 * I)[:, None] + offs_k[None, :]
+        # w1[e] is (2I, H) with H contiguous: the (BLOCK_K, BLOCK_N) tile w1[e, k, n] is row-major.
+        w_ptrs = w1_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None] + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, 2 * I, BLOCK_K):
-        k_ok = offs_k < 2 * I - k0
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wn
+        if TMA:
+            a = grad_gate_up_ptr.load([first_row, k0])
+            b = w1_ptr.load([expert, k0, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            k_ok = offs_k < 2 * I - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wn
+        acc = tl.dot(a, b, acc)
     tl.store(grad_x_pairs_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :],
              acc.to(grad_x_pairs_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -150,6 +181,16 @@ def _row_step(row_tokens_ptr, r0, end_row, offs_k, ROWS_ALIGNED: tl.constexpr):
     return rows, in_range, tl.load(row_tokens_ptr + rows, mask=in_range, other=-1)
 
 
+@triton.jit
+def _past_expert_zeroed(tile, in_range):
+    """A layout-order tile loaded through a descriptor with its rows past the expert's range set
+    to zero, as the pointer path's mask does. A descriptor only zero-fills past the tensor's end;
+    before it, a step that passes the expert's last block (BLOCK_K not dividing the layout's
+    BLOCK_M) reads the next expert's rows, or rows of unused blocks that nothing writes, and a
+    zero from the gathered operand does not cancel an inf or NaN there."""
+    return tl.where(in_range, tile, tl.zeros_like(tile))
+
+
 # In both weight-gradient kernels one operand is gathered by token through the row's token
 # index, loaded in the same K step. Triton pipelines such an indirect load num_stages - 2 deep on
 # Hopper and num_stages - 3 deep elsewhere (configs.py sets the stages accordingly), given what
@@ -162,13 +203,14 @@ def grad_w1_kernel(
     grad_gate_up_ptr, x_ptr, grad_w1_ptr, row_tokens_ptr, expert_blocks_ptr,
     H, I, block_m, stride_xt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROWS_ALIGNED: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr,
 ):
     """grad_w1: (E, 2I, H) contiguous, grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
 
     grad_gate_up: (rows, 2I) contiguous, layout order, zero on padding rows (read unmasked
-    there); x: (T, H), row stride stride_xt; row_tokens: (rows,) int32, -1 on padding rows;
-    expert_blocks: (E + 1,) int32, expert e's layout blocks are [expert_blocks[e], expert_blocks[e + 1])."""
+    there; TMA: a descriptor of it, blocks (BLOCK_K, BLOCK_M)); x: (T, H), row stride stride_xt;
+    row_tokens: (rows,) int32, -1 on padding rows; expert_blocks: (E + 1,) int32, expert e's
+    layout blocks are [expert_blocks[e], expert_blocks[e + 1])."""
     num_tiles_m = tl.cdiv(2 * I, BLOCK_M)
     expert, pid_m, pid_n, first_row, end_row = _expert_rows(tl.program_id(0), expert_blocks_ptr, block_m,
                                                             num_tiles_m, tl.cdiv(H, BLOCK_N), GROUP_M)
@@ -182,8 +224,13 @@ def grad_w1_kernel(
         rows, in_range, tokens = _row_step(row_tokens_ptr, r0, end_row, offs_k, ROWS_ALIGNED)
         # The A tile is read transposed straight from memory ((BLOCK_M, BLOCK_K), features
         # contiguous), so it goes to shared memory without a pass through registers.
-        a = tl.load(grad_gate_up_ptr + wide_offset(rows, 2 * I)[None, :] + offs_m[:, None],
-                    mask=m_ok[:, None] & in_range[None, :], other=0.0)
+        if TMA:
+            a = tl.trans(grad_gate_up_ptr.load([r0, pid_m * BLOCK_M]))
+            if not ROWS_ALIGNED:
+                a = _past_expert_zeroed(a, in_range[None, :])
+        else:
+            a = tl.load(grad_gate_up_ptr + wide_offset(rows, 2 * I)[None, :] + offs_m[:, None],
+                        mask=m_ok[:, None] & in_range[None, :], other=0.0)
         b = tl.load(x_ptr + wide_offset(tokens, stride_xt)[:, None] + offs_n[None, :],
                     mask=(tokens >= 0)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
@@ -196,13 +243,13 @@ def grad_w2_kernel(
     grad_out_ptr, weighted_h_ptr, grad_w2_ptr, row_tokens_ptr, expert_blocks_ptr,
     H, I, block_m, stride_gt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROWS_ALIGNED: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr,
 ):
     """grad_w2: (E, H, I) contiguous, grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e].
 
     grad_out: (T, H), row stride stride_gt; weighted_h: (rows, I) contiguous, w_p * h_p in
-    layout order, zero on padding rows (read unmasked there); row_tokens, expert_blocks as for
-    grad_w1_kernel."""
+    layout order, zero on padding rows (read unmasked there; TMA: a descriptor of it, blocks
+    (BLOCK_K, BLOCK_N)); row_tokens, expert_blocks as for grad_w1_kernel."""
     num_tiles_m = tl.cdiv(H, BLOCK_M)
     expert, pid_m, pid_n, first_row, end_row = _expert_rows(tl.program_id(0), expert_blocks_ptr, block_m,
                                                             num_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -217,8 +264,13 @@ def grad_w2_kernel(
         # dY rows gathered by token and read transposed ((BLOCK_M, BLOCK_K), H contiguous).
         a = tl.load(grad_out_ptr + wide_offset(tokens, stride_gt)[None, :] + offs_m[:, None],
                     mask=m_ok[:, None] & (tokens >= 0)[None, :], other=0.0)
-        b = tl.load(weighted_h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :],
-                    mask=in_range[:, None] & n_ok[None, :], other=0.0)
+        if TMA:
+            b = weighted_h_ptr.load([r0, pid_n * BLOCK_N])
+            if not ROWS_ALIGNED:
+                b = _past_expert_zeroed(b, in_range[:, None])
+        else:
+            b = tl.load(weighted_h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :],
+                        mask=in_range[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
     out_offs = wide_offset(expert, H) * I + wide_offset(offs_m, I)[:, None] + offs_n[None, :]
     tl.store(grad_w2_ptr + out_offs, acc.to(grad_w2_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
