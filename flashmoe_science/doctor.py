@@ -53,6 +53,14 @@ def _matrix_instructions(record) -> str:
     return "SASS: " + (", ".join(f"{n} {op}" for op, n in counts.items()) or "no tensor-core instructions")
 
 
+def _print_launches(records, gpu: bool) -> None:
+    """What each launch ran and, on Hopper, the tensor-core instructions of its machine code."""
+    for record in records:
+        print(f"    ran: {_describe(record)}")
+        if gpu and record is not None and record.compiled is not None and device_info().capability >= 90:
+            print(f"    {_matrix_instructions(record)}")
+
+
 def _attention_cases(gpu: bool, quick: bool):
     if not gpu:
         return [(1, 2, 1, 33, 47, 64, torch.float16, True), (1, 2, 2, 20, 20, 40, torch.float32, False)]
@@ -88,9 +96,7 @@ def _check_attention(gpu: bool, quick: bool) -> bool:
         ok &= passed
         name = str(dtype).replace("torch.", "")
         print(f"  B={batch} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} D={d} {name} causal={causal}")
-        print(f"    ran: {_describe(record)}")
-        if gpu and record is not None and record.compiled is not None and device_info().capability >= 90:
-            print(f"    {_matrix_instructions(record)}")
+        _print_launches([record], gpu)
         print(f"    error vs float64: ours {ours_err:.2e}, PyTorch {name} {torch_err:.2e}  "
               f"{'ok' if passed else 'FAIL (more than 2x PyTorch)'}")
         if gpu:
@@ -135,10 +141,7 @@ def _check_attention_backward(gpu: bool, quick: bool) -> bool:
         ok &= passed
         name = str(dtype).replace("torch.", "")
         print(f"  B={batch} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} D={d} {name} causal={causal}")
-        for record in records:
-            print(f"    ran: {_describe(record)}")
-            if gpu and record is not None and record.compiled is not None and device_info().capability >= 90:
-                print(f"    {_matrix_instructions(record)}")
+        _print_launches(records, gpu)
         print(f"    error vs float64 (worst of dq, dk, dv): ours {ours_err:.2e}, PyTorch {name} {torch_err:.2e}  "
               f"{'ok' if passed else 'FAIL (more than 2x PyTorch)'}")
         if gpu:
