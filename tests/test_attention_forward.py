@@ -112,6 +112,18 @@ def test_custom_softmax_scale(device):
     check_against_reference(q, k, v, causal=False, softmax_scale=0.37)
 
 
+@pytest.mark.parametrize("scale", [-0.37, 0.0])
+def test_negative_and_zero_softmax_scale(scale, device):
+    # The kernels take row maxima over unscaled scores, so a negative scale runs on a negated q;
+    # a zero scale is uniform attention over the visible keys.
+    B, S, H, D = 1, 150, 2, 32  # unmasked key blocks and a masked tail
+    qkv = torch.randn(B, S, 3, H, D, device=device)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # strided views: launch strides differ
+    for causal in (False, True):
+        check_against_reference(q, k, v, causal=causal, softmax_scale=scale)
+    check_against_reference(q, k, v, causal=False)  # the same plan at the default scale afterwards
+
+
 def test_no_key_rows_are_zero_not_nan(device):
     # causal with Sq > Sk: the first Sq - Sk queries see nothing.
     q, k, v = make_qkv(1, 2, 2, 40, 8, 32, torch.float32, device)
@@ -203,13 +215,13 @@ def test_cpu_tensors_without_interpreter_rejected(monkeypatch):
 
 # ---- GPU: bf16 and realistic sizes, error compared with PyTorch's own ----
 
-def _sdpa_error(q, k, v, causal, ref):
+def _sdpa_error(q, k, v, causal, ref, scale=None):
     """PyTorch's own error in the input precision (SDPA's math backend, same causal alignment)."""
     from flashmoe_science.attention.reference import causal_mask
     group = q.shape[1] // k.shape[1]
     mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask, scale=scale)
     return rel_error(out, ref)
 
 
@@ -271,16 +283,20 @@ def test_default_scale_is_inverse_sqrt_head_dim(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D,causal", [(128, False), (128, True), (256, True), (80, True)])
-def test_gpu_hopper_path_runs_and_matches_reference(D, causal):
+@pytest.mark.parametrize("D,causal,scale", [(128, False, None), (128, True, None), (256, True, None),
+                                            (80, True, None), (64, False, None), (64, True, None), (48, True, None),
+                                            (128, True, -0.09)])
+def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
     """Large 16-bit calls on sm90 take the TMA kernel; head dims below the tile (80 in a 128
-    tile) rely on the descriptor's zero fill and clipped store."""
+    tile, 48 in 64) rely on the descriptor's zero fill and clipped store; a negative scale runs
+    on a negated q."""
     from flashmoe_science.launch import clear_records, last_launch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path is for sm90")
-    q, k, v = make_qkv(2, 16, 4, 1500, 1500, D, torch.bfloat16, "cuda", layout="bshd")
+    seqlen = 1500 if D > 64 else 3000  # above the FLOPs the Hopper path starts at
+    q, k, v = make_qkv(2, 16, 4, seqlen, seqlen, D, torch.bfloat16, "cuda", layout="bshd")
     clear_records()
-    out = flash_attention_science(q, k, v, causal=causal)
+    out = flash_attention_science(q, k, v, causal=causal, softmax_scale=scale)
     assert last_launch("attention_forward_hopper") is not None and last_launch("attention_forward") is None
-    ref, _ = attention_reference(q, k, v, causal=causal)
-    assert rel_error(out, ref) <= 2 * _sdpa_error(q, k, v, causal, ref) + 1e-4
+    ref, _ = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+    assert rel_error(out, ref) <= 2 * _sdpa_error(q, k, v, causal, ref, scale) + 1e-4

@@ -4,7 +4,7 @@ kernel, and for the tiles the backward kernels load and store (`backward_descrip
 The forward takes dense inputs only; the backward packed ones too. The tensor memory accelerator needs every base
 pointer 16-byte aligned and every stride but the last a multiple of 16 bytes; `supports` says
 whether a call's tensors qualify. The dispatcher (`interface._ForwardPlan`) takes this path for
-large 16-bit calls at padded head dims 128 and 256 on sm90 (`configs.hopper_forward_config`);
+large 16-bit calls at padded head dims 64, 128 and 256 on sm90 (`configs.hopper_forward_config`);
 `attention_forward_hopper` runs it with an explicit configuration for sweeps.
 """
 from __future__ import annotations
@@ -75,9 +75,12 @@ def reduce_descriptor(acc: torch.Tensor, packed: bool, rows: int) -> TensorDescr
 
 
 def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_specialize=False,
-           device_index=None) -> None:
+           device_index=None, key=None) -> None:
     """Writes out (and lse, (B, Hq, Sq) float32, unless None) for dense q (B, Hq, Sq, D) and k, v
-    (B, Hkv, Sk, D); `window` is the kernel's (window_left, window_right)."""
+    (B, Hkv, Sk, D); `window` is the kernel's (window_left, window_right); scale >= 0 (callers
+    negate q for a negative one). `key` as for `KernelLauncher.launch`: the descriptors are built
+    per call (they hold data pointers), and what Triton specialises on, their dtype and tile
+    shape, follows from the dtypes and `config`, which the caller's key determines."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     block_d = head_dim_block(head_dim)
 
@@ -86,7 +89,7 @@ def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_sp
 
     num_m_blocks = -(-seqlen_q // config.block_m)
     _HOPPER.launch(
-        None, (num_m_blocks * batch * heads_q, 1, 1),
+        key, (num_m_blocks * batch * heads_q, 1, 1),
         (describe(q, config.block_m), describe(k, config.block_n), describe(v, config.block_n),
          describe(out, config.block_m), out if lse is None else lse,
          scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E, heads_q * seqlen_q, seqlen_q,
@@ -102,6 +105,8 @@ def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config
     q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true;
     window_size as for `flash_attention_science` (with causal, the right bound is 0).
     """
+    if softmax_scale < 0:  # the kernel takes row maxima over unscaled scores (`forward.softmax_step`)
+        q, softmax_scale = torch.neg(q), -softmax_scale
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
     left, right = window_size

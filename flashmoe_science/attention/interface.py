@@ -199,16 +199,21 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
     if plan.empty:
         return out, lse
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
+    negated = scale < 0
+    if negated:  # the kernels take row maxima over unscaled scores (`softmax_step`): (-q).k * -scale
+        q, scale = torch.neg(q), -scale
     softcap = plan.softcap
     if plan.hopper is not None:
         hopper.launch(q, k, v, out, lse, scale, softcap, plan.hopper, plan.window, causal=plan.causal,
-                      device_index=plan.device_index)
+                      device_index=plan.device_index, key=key)
         return out, lse
     tail = plan.launch_tail
-    if tail is None:
+    if tail is None or negated:  # a negated q is dense, whatever the caller's strides
         packed = plan.packed
-        tail = plan.launch_tail = (*_row_strides(q, packed), *_row_strides(k, packed), *_row_strides(v, packed),
-                                   *_row_strides(out, packed)) + plan.kernel_options
+        tail = (*_row_strides(q, packed), *_row_strides(k, packed), *_row_strides(v, packed),
+                *_row_strides(out, packed)) + plan.kernel_options
+        if not negated:
+            plan.launch_tail = tail
     cfg = plan.config
     _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, cu_seqlens_q, cu_seqlens_k,
                                      sequence_order, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E) + tail,
@@ -361,9 +366,8 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     scales = (scale, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E)
     sq, sk, sv, sdq, sdk, sdv = (_row_strides(t, packed) for t in (q, k, v, dq, dk, dv))
     cfg = plan.config
-    tma = plan.tma
-    if tma:  # descriptors hold data pointers: built per call, launched on Triton's ordinary path
-        key = None
+    tma = plan.tma  # descriptors hold data pointers, so they are built per call; what Triton
+    # specialises a kernel on (their dtype and tile shape) follows from the plan, so `key` holds
     if mode == DQ_MODES["kernel"]:  # first: it writes delta for the dK/dV kernel
         if tma:
             (q_, do_, dq_), (k_, v_) = hopper.backward_descriptors((q, grad_output, dq), (k, v), cfg.dq)

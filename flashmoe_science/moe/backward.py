@@ -32,8 +32,9 @@ are bitwise reproducible (no atomics anywhere). Each launch is a function of the
 With the configuration's `tma` (sm90 and later), each launch whose tensors the tensor memory
 accelerator can address (`tma_addressable`) passes its dense-tile operands as tensor
 descriptors (see `_kernels/backward.py`). A descriptor holds its tensor's data pointer, so
-it is built per call and the kernel launched on Triton's ordinary path (key None), as the
-attention's Hopper forward does; the others take the pointer kernels with the same tiles.
+it is built per call; what Triton specialises the kernel on (the descriptor's dtype and tile)
+follows from the plan, so the compiled kernel is cached under the call's key and whether the
+launch took descriptors (`_launch_key`). The others take the pointer kernels with the same tiles.
 """
 from __future__ import annotations
 
@@ -113,6 +114,11 @@ def tma_addressable(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _launch_key(key, tma: bool):
+    """The launcher's cache key: the call's key and whether this launch passes descriptors."""
+    return None if key is None else (key, tma)
+
+
 def _descriptor(t: torch.Tensor, block) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
 
@@ -126,7 +132,7 @@ def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_
     g = plan.config.grad_gate_up
     tma = plan.tma and tma_addressable(w2)
     _GRAD_GATE_UP.launch(
-        None if tma else key, plan.grids["grad_gate_up"],
+        _launch_key(key, tma), plan.grids["grad_gate_up"],
         (grad_out, _descriptor(w2, (1, g.block_k, g.block_n)) if tma else w2, h, h_grads, topk_weights,
          grad_gate_up, weighted_h, row_tokens, grad_weight_parts, sorted_pairs, block_expert, block_rows,
          plan.num_blocks, plan.num_tokens * plan.top_k, plan.hidden, plan.inter, plan.top_k, int(need_weight_grads),
@@ -145,7 +151,7 @@ def launch_grad_x(key, plan: BackwardPlan, grad_gate_up, w1, grad_x_pairs, sorte
     else:
         w1_arg = w1
     _GRAD_X.launch(
-        None if tma else key, plan.grids["grad_x"],
+        _launch_key(key, tma), plan.grids["grad_x"],
         (grad_gate_up, w1_arg, grad_x_pairs, sorted_pairs, block_expert, block_rows, plan.num_blocks, plan.hidden,
          plan.inter, w1.stride(0), w1.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
@@ -163,7 +169,7 @@ def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, layou
         operands = list(operands)
         operands[layout_index] = _descriptor(operands[layout_index], block(g))
     launcher.launch(
-        None if tma else key, plan.grids[name],
+        _launch_key(key, tma), plan.grids[name],
         (*operands, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m, gathered_stride, g.block_m,
          g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)

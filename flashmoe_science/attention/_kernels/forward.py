@@ -103,23 +103,31 @@ def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q, seq
 @triton.jit
 def softmax_step(acc, l_i, m_i, qk, v, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
                  softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits (softcapped
-    if asked), masked to the band on edge blocks, then rescale and accumulate p.v."""
+    """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits s * mult
+    (softcapped if asked), masked to the band on edge blocks, then rescale and accumulate p.v.
+
+    On the blocks every row fully sees (the bulk of the work), the multiplier is folded into the
+    exponent's one FMA and the row maximum is taken over the unscaled scores: max(s) * mult =
+    max(s * mult) as mult >= 0 (`run_forward` negates q for a negative softmax_scale). That saves
+    a multiply per score."""
     if SOFTCAP:
-        s = tanh(qk * softcap_scale) * softcap_log2  # softcap * tanh(score / softcap), base 2
+        s = tanh(qk * softcap_scale)  # softcap * tanh(score / softcap) = softcap_log2 * s in base 2
+        mult = softcap_log2
     else:
-        s = qk * scale_log2
+        s = qk
+        mult = scale_log2
     if MASKED:
         rel = cols[None, :] - offs_m[:, None]
         visible = (cols[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
+        s = tl.where(visible, s * mult, float("-inf"))  # scaled first: a zero scale times -inf is NaN
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
     else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
         m_sub = m_new
-    p = tl.math.exp2(s - m_sub[:, None])
+        p = tl.math.exp2(s * mult - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
