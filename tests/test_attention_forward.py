@@ -124,6 +124,22 @@ def test_negative_and_zero_softmax_scale(scale, device):
     check_against_reference(q, k, v, causal=False)  # the same plan at the default scale afterwards
 
 
+@pytest.mark.gpu
+def test_gpu_negative_scale_after_and_before_the_same_call():
+    # q a slice of wider rows (row stride 64, a multiple of 16); the negated copy a negative
+    # scale runs on is dense (row stride 36): the two must not share a compiled kernel, in
+    # whichever order they first run.
+    from flashmoe_science.attention import interface
+    for scales in ((0.2, -0.2), (-0.2, 0.2)):
+        interface._PLANS.clear()
+        interface._FORWARD._compiled.clear()
+        base = torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.float16)
+        q = base[..., :36]
+        k, v = (torch.randn(1, 2, 300, 36, device="cuda", dtype=torch.float16) for _ in range(2))
+        for scale in scales:
+            check_against_reference(q, k, v, causal=True, softmax_scale=scale)
+
+
 def test_no_key_rows_are_zero_not_nan(device):
     # causal with Sq > Sk: the first Sq - Sk queries see nothing.
     q, k, v = make_qkv(1, 2, 2, 40, 8, 32, torch.float32, device)

@@ -202,6 +202,9 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
     negated = scale < 0
     if negated:  # the kernels take row maxima over unscaled scores (`softmax_step`): (-q).k * -scale
         q, scale = torch.neg(q), -scale
+        # The negated q is dense, so its strides (and what Triton specialises on) can differ from
+        # the caller's: its launches are cached apart.
+        key = None if key is None else (key, "negated q")
     softcap = plan.softcap
     if plan.hopper is not None:
         hopper.launch(q, k, v, out, lse, scale, softcap, plan.hopper, plan.window, causal=plan.causal,
