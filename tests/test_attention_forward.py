@@ -126,9 +126,9 @@ def test_negative_and_zero_softmax_scale(scale, device):
 
 @pytest.mark.gpu
 def test_gpu_negative_scale_after_and_before_the_same_call():
-    # q a slice of wider rows (row stride 64, a multiple of 16); the negated copy a negative
-    # scale runs on is dense (row stride 36): the two must not share a compiled kernel, in
-    # whichever order they first run.
+    # q a slice of wider rows (row stride 64, a multiple of 16, over 36 values): a negative scale
+    # runs on a negated copy, which must match what the plan's compiled kernel was built for, in
+    # whichever order the two scales first run.
     from flashmoe_science.attention import interface
     for scales in ((0.2, -0.2), (-0.2, 0.2)):
         interface._PLANS.clear()

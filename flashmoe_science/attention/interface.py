@@ -199,24 +199,19 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
     if plan.empty:
         return out, lse
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
-    negated = scale < 0
-    if negated:  # the kernels take row maxima over unscaled scores (`softmax_step`): (-q).k * -scale
-        q, scale = torch.neg(q), -scale
-        # The negated q is dense, so its strides (and what Triton specialises on) can differ from
-        # the caller's: its launches are cached apart.
-        key = None if key is None else (key, "negated q")
+    if scale < 0:  # the kernels take row maxima over unscaled scores (`softmax_step`): (-q).k * -scale
+        # Negated into q's own strides, so the plan's key and launch strides still describe it.
+        q, scale = torch.neg(q, out=q.new_empty_strided(q.shape, q.stride())), -scale
     softcap = plan.softcap
     if plan.hopper is not None:
         hopper.launch(q, k, v, out, lse, scale, softcap, plan.hopper, plan.window, causal=plan.causal,
                       device_index=plan.device_index, key=key)
         return out, lse
     tail = plan.launch_tail
-    if tail is None or negated:  # a negated q is dense, whatever the caller's strides
+    if tail is None:
         packed = plan.packed
-        tail = (*_row_strides(q, packed), *_row_strides(k, packed), *_row_strides(v, packed),
-                *_row_strides(out, packed)) + plan.kernel_options
-        if not negated:
-            plan.launch_tail = tail
+        tail = plan.launch_tail = (*_row_strides(q, packed), *_row_strides(k, packed), *_row_strides(v, packed),
+                                   *_row_strides(out, packed)) + plan.kernel_options
     cfg = plan.config
     _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, cu_seqlens_q, cu_seqlens_k,
                                      sequence_order, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E) + tail,
