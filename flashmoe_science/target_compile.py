@@ -26,7 +26,7 @@ class KernelBuild:
     """One kernel specialisation the dispatcher can launch."""
 
     label: str
-    fn: object  # triton.JITFunction
+    fn: object  # triton.JITFunction (or Gluon's)
     signature: dict  # argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr")
     constexprs: dict
     num_warps: int
@@ -40,9 +40,12 @@ def compile_build(build: KernelBuild, capability: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     names = build.fn.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in build.aligned}
-    src = ASTSource(build.fn, build.signature, build.constexprs, attrs=attrs)
+    source = GluonASTSource if build.fn.is_gluon() else ASTSource
+    src = source(build.fn, build.signature, build.constexprs, attrs=attrs)
     options = {"num_warps": build.num_warps, "num_stages": build.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 

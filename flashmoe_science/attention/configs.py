@@ -105,16 +105,33 @@ del C
 # at eight, so WARP_SPECIALIZE stays off.
 HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 64, 4, 3),
                   256: AttentionConfig(128, 64, 8, 2)}
+# The Gluon forward (`_kernels/forward_gluon.py`: asynchronous wgmma, the softmax of one key block
+# overlapping the P V product of the one before) replaces the Triton kernel above where it was
+# measured faster: D = 256, two warpgroups on 128 x 64 tiles (one program per SM, 192 KB of
+# shared memory), 25-30% over the best Triton candidate at S = 4096 and 16384, causal and not, on
+# an H200 (attention_hopper_sweep.json: 637 against 488 TFLOP/s at S = 4096, 643 against 508
+# causal at S = 16384); on an H100 the benchmark's D = 256 forward went from 490 to 562 TFLOP/s at
+# S = 4096 (attention_fwd.json). At D = 64 and 128 its best candidates trailed the Triton kernel's by 1-5%,
+# which stays: without warp specialisation both warpgroups of a program run in step, as Triton's
+# barrier analysis puts a CTA barrier before each TMA copy, so one program's softmax does not
+# overlap another's S = Q K^T the way FlashAttention-3's ping-pong schedule has it. Softcapped
+# calls stay on the Triton kernel (the Gluon kernel has no softcap).
+GLUON_FORWARD = {256: AttentionConfig(128, 64, 8, 2)}
 # Below this many FLOPs the generic kernel runs: building four tensor descriptors costs host time
 # that a short kernel cannot hide.
 HOPPER_MIN_FLOPS = 2e10
 
 
-def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, flops: float):
-    """The Hopper forward configuration for a dense call, or None where the generic kernel runs."""
+def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, flops: float, softcap: bool = False):
+    """The Hopper forward for a dense call: (gluon, config), whether the Gluon kernel runs and its
+    configuration, or None where the generic kernel runs."""
     if device.capability != 90 or device.arch_family != 90 or element_size != 2 or flops < HOPPER_MIN_FLOPS:
         return None
-    return HOPPER_FORWARD.get(head_dim_block(head_dim))
+    block_d = head_dim_block(head_dim)
+    if not softcap and block_d in GLUON_FORWARD:
+        return True, GLUON_FORWARD[block_d]
+    cfg = HOPPER_FORWARD.get(block_d)
+    return None if cfg is None else (False, cfg)
 
 
 def forward_config(device: DeviceInfo, element_size: int, head_dim: int, seqlen_q: int,
@@ -195,6 +212,31 @@ def _hopper_builds(capability: int):
                                     f"{cfg}", fn=attention_forward_hopper_kernel, signature=sig,
                               constexprs=constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                               aligned=("LSE",))
+    yield from _gluon_builds()
+
+
+def _gluon_builds():
+    """The Gluon forward's builds (sm90 only), plain and causal, in both 16-bit types: the shared
+    memory layouts of its descriptors are part of its signature."""
+    from triton.experimental.gluon import language as gl
+
+    from ..target_compile import KernelBuild
+    from ._kernels.forward_gluon import attention_forward_gluon_kernel
+
+    for block_d, cfg in GLUON_FORWARD.items():
+        for causal, (name, dtype) in ((False, ("fp16", gl.float16)), (True, ("bf16", gl.bfloat16))):
+            sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}
+            for arg, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
+                              ("desc_o", cfg.block_m)):
+                layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], dtype)
+                sig[arg] = f"tensordesc<{name}[1,1,{rows},{block_d}],{layout!r}>"
+            sig.update(LSE="*fp32", scale_log2="fp32")
+            constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
+                              CAUSAL=causal, WRITE_LSE=True)
+            sig.update({n: "constexpr" for n in constexprs})
+            yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} {cfg}",
+                              fn=attention_forward_gluon_kernel, signature=sig, constexprs=constexprs,
+                              num_warps=cfg.num_warps, num_stages=1, aligned=("LSE",))
 
 
 @dataclass(frozen=True)

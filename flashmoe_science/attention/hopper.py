@@ -13,11 +13,14 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..launch import KernelLauncher
+from ._kernels.forward_gluon import attention_forward_gluon_kernel
 from ._kernels.forward_hopper import attention_forward_hopper_kernel
 from .configs import head_dim_block
 
 _LOG2E = 1.4426950408889634
+_UNBOUNDED = 1 << 30
 _HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_kernel)
+_GLUON = KernelLauncher("attention_forward_gluon", attention_forward_gluon_kernel)
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -112,4 +115,49 @@ def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config
     left, right = window_size
     launch(q, k, v, out, lse, softmax_scale, 0.0, config, (left, 0 if causal else right), causal=causal,
            warp_specialize=warp_specialize, device_index=q.device.index)
+    return out, lse
+
+
+def _gluon_descriptor(t: torch.Tensor, rows: int, block_d: int):
+    """A Gluon TMA descriptor over dense (B, H, S, D) `t` in tiles of `rows` x block_d, laid out in
+    shared memory as the wgmma wants it (the widest swizzle the tile's rows allow)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    block = [1, 1, rows, block_d]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, device_index=None, key=None) -> None:
+    """As `launch`, through the Gluon kernel (`_kernels/forward_gluon.py`): no softcap; config.block_m
+    is 16 rows per warp of its single warpgroup."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    block_d = head_dim_block(head_dim)
+    left, right = window
+    diag_hi = _UNBOUNDED if right < 0 else seqlen_k - seqlen_q + right
+    diag_lo = -_UNBOUNDED if left < 0 else seqlen_k - seqlen_q - left
+    num_m_blocks = -(-seqlen_q // config.block_m)
+    _GLUON.launch(
+        key, (num_m_blocks * batch * heads_q, 1, 1),
+        (_gluon_descriptor(q, config.block_m, block_d), _gluon_descriptor(k, config.block_n, block_d),
+         _gluon_descriptor(v, config.block_n, block_d), _gluon_descriptor(out, config.block_m, block_d),
+         out if lse is None else lse, scale * _LOG2E, heads_q * seqlen_q, seqlen_q,
+         heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k, num_m_blocks, diag_lo, diag_hi,
+         config.block_m, config.block_n, block_d, config.num_stages, causal, lse is not None),
+        num_warps=config.num_warps, num_stages=1, device_index=device_index)
+
+
+def attention_forward_gluon(q, k, v, causal: bool, softmax_scale: float, config, *, write_lse: bool = False,
+                            window_size=(-1, -1)):
+    """Forward through the Gluon kernel with an explicit AttentionConfig; returns (out, lse).
+    Arguments as for `attention_forward_hopper`."""
+    if softmax_scale < 0:
+        q, softmax_scale = torch.neg(q), -softmax_scale
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
+    left, right = window_size
+    launch_gluon(q, k, v, out, lse, softmax_scale, config, (left, 0 if causal else right), causal=causal,
+                 device_index=q.device.index)
     return out, lse

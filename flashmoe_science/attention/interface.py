@@ -95,7 +95,7 @@ class _ForwardPlan:
         flops = 4.0 * batch * heads_q * seqlen_q * seqlen_k * head_dim
         self.hopper = None
         if config is None and not packed and not self.contiguous and q.is_cuda:
-            hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops)
+            hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops, softcap > 0)
             if hopper_cfg is not None and hopper.supports(q, k, v):
                 self.hopper = hopper_cfg
 
@@ -204,8 +204,13 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
         q, scale = torch.neg(q, out=q.new_empty_strided(q.shape, q.stride())), -scale
     softcap = plan.softcap
     if plan.hopper is not None:
-        hopper.launch(q, k, v, out, lse, scale, softcap, plan.hopper, plan.window, causal=plan.causal,
-                      device_index=plan.device_index, key=key)
+        gluon, cfg = plan.hopper
+        if gluon:
+            hopper.launch_gluon(q, k, v, out, lse, scale, cfg, plan.window, causal=plan.causal,
+                                device_index=plan.device_index, key=key)
+        else:
+            hopper.launch(q, k, v, out, lse, scale, softcap, cfg, plan.window, causal=plan.causal,
+                          device_index=plan.device_index, key=key)
         return out, lse
     tail = plan.launch_tail
     if tail is None:

@@ -625,11 +625,18 @@ HOPPER_CANDIDATES = {64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 3
                      128: [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 128, 4, 2),
                            (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
                      256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]}
+# The Gluon kernel's candidates (16 rows per warp): one warpgroup per program with two or three
+# programs per SM, or two warpgroups sharing the K/V tiles; the shared memory of Q plus K and V per
+# stage bounds the rest.
+GLUON_CANDIDATES = {64: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+                    128: [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
+                    256: [(128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 32, 8, 3)]}
 
 
 def _hopper_sweep(args, device):
-    """The Hopper TMA kernel (with and without warp specialisation) against the generic kernel's
-    shipped configuration, on the throughput shapes; errors are relative to the generic output."""
+    """The Hopper TMA kernel (with and without warp specialisation) and the Gluon kernel against the
+    generic kernel's shipped configuration, on the throughput shapes; errors are relative to the
+    generic output."""
     from ..attention import hopper
     from ..attention.configs import AttentionConfig
     from ..attention.interface import attention_forward
@@ -648,15 +655,10 @@ def _hopper_sweep(args, device):
         t = time_gpu(generic_call, warmup_ms=5, rep_ms=25, repeats=1)
         rows.append(_sweep_row("hopper_sweep", head_dim, seqlen, causal, window, impl=f"generic {table}",
                                ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12))
-        for (bm, bn, warps, stages), ws in itertools.product(HOPPER_CANDIDATES.get(head_dim, []), (False, True)):
-            if ws and warps < 8:
-                continue
-            cfg = AttentionConfig(bm, bn, warps, stages)
-            row = _sweep_row("hopper_sweep", head_dim, seqlen, causal, window,
-                             impl=f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}")
+
+        def timed(impl, fn):  # one candidate's row: its time and its error against the generic output
+            row = _sweep_row("hopper_sweep", head_dim, seqlen, causal, window, impl=impl)
             try:
-                fn = lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws,  # noqa: E731
-                                                             window_size=window)
                 out, _ = fn()
                 t = time_gpu(fn, warmup_ms=5, rep_ms=25, repeats=1)
             except Exception as exc:
@@ -664,7 +666,19 @@ def _hopper_sweep(args, device):
             else:
                 row.update(ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12,
                            rel_err_vs_generic=rel_error(out, generic))
-            rows.append(row)
+            return row
+
+        for (bm, bn, warps, stages), ws in itertools.product(HOPPER_CANDIDATES.get(head_dim, []), (False, True)):
+            if ws and warps < 8:
+                continue
+            cfg = AttentionConfig(bm, bn, warps, stages)
+            rows.append(timed(f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}",
+                              lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws,
+                                                                      window_size=window)))
+        for bm, bn, warps, stages in GLUON_CANDIDATES.get(head_dim, []):
+            cfg = AttentionConfig(bm, bn, warps, stages)
+            rows.append(timed(f"gluon {bm}x{bn} w{warps} s{stages}",
+                              lambda: hopper.attention_forward_gluon(q, k, v, causal, scale, cfg, window_size=window)))
     return rows
 
 

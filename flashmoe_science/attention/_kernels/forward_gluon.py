@@ -1,0 +1,179 @@
+"""Attention forward for Hopper (sm90) in Gluon: FlashAttention-3's intra-warpgroup pipeline.
+
+Triton 3.6 waits on each `tl.dot` wgmma right after issuing it, so in the Triton kernels the
+exponentials of one key block never run while the tensor cores work. Gluon, Triton's lower-level
+dialect, exposes the asynchronous wgmma and its wait, so this kernel places them as
+FlashAttention-3 does (Shah et al. 2024, algorithm 2). Iteration j issues S_j = Q K_j^T, then
+O += P_{j-1} V_{j-1}, waits for S_j alone, and computes the softmax of S_j while the P V product
+is still running on the tensor cores; only then does it wait for O and rescale it.
+
+One program is one warpgroup (4 warps) holding BLOCK_M = 64 query rows: every wgmma it issues
+reads shared memory that only it refills, so no barrier couples it to another warpgroup, and
+two or three programs per SM fill each other's gaps. K and V tiles arrive by TMA into
+NUM_STAGES buffers, each with its own mbarrier, refilled as soon as the products reading them
+are done. Q, K, V and O are addressed through 4-D (batch, head, seq, head_dim) descriptors with
+the caller's strides; loads past the end are zero-filled and stores past it dropped, so only
+scores on the band's edges are masked, exactly as in `forward.py` (whose module docstring
+describes the band and the base-2 online softmax).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, MASKED: gl.constexpr):
+    """One key block of the online softmax in base 2 (as `forward.softmax_step`): returns the
+    probabilities p, the new row sums and maxima, and alpha, the factor that rescales O."""
+    if MASKED:
+        rel = cols[None, :] - offs_m[:, None]
+        visible = (cols[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo)
+        s = gl.where(visible, s * scale_log2, float("-inf"))  # scaled first: 0 * -inf is NaN
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet keeps p = 0
+        p = gl.exp2(s - m_sub[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+        m_sub = m_new
+        p = gl.exp2(s * scale_log2 - m_sub[:, None])
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, l_i, m_new, alpha
+
+
+@gluon.jit
+def _load_tile(desc, smem, bars, stage, b, h_kv, start_n, pred):
+    """TMA copy of the K or V tile starting at key start_n into buffer `stage` (if pred)."""
+    mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [b, h_kv, start_n, 0], bars.index(stage), smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def attention_forward_gluon_kernel(
+    desc_q, desc_k, desc_v, desc_o, LSE,
+    scale_log2, stride_lb, stride_lh,
+    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, diag_lo, diag_hi,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+):
+    gl.static_assert(BLOCK_M == 16 * gl.num_warps(), "each warp holds 16 query rows")
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BLOCK_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = desc_q.dtype
+
+    # Query blocks of one head are adjacent (they share K/V in L2); causal runs heaviest first.
+    pid = gl.program_id(0)
+    pid_bh = pid // num_m_blocks
+    pid_m = pid % num_m_blocks
+    if CAUSAL:
+        pid_m = num_m_blocks - 1 - pid_m
+    h = pid_bh % num_heads_q
+    b = pid_bh // num_heads_q
+    h_kv = h // group_size
+    first_row = pid_m * BLOCK_M
+
+    # The key blocks this query block meets (`forward.band_blocks`); [full_lo, full_hi) need no mask.
+    last_row = gl.minimum(first_row + BLOCK_M - 1, seqlen_q - 1)
+    lo = gl.maximum(first_row + diag_lo, 0) // BLOCK_N * BLOCK_N
+    hi = gl.minimum(last_row + diag_hi + 1, seqlen_k)
+    full_lo = gl.maximum(lo, gl.cdiv(gl.maximum(last_row + diag_lo, 0), BLOCK_N) * BLOCK_N)
+    full_hi = gl.maximum(full_lo, gl.minimum(first_row + diag_hi + 1, seqlen_k) // BLOCK_N * BLOCK_N)
+    num_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_v.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+
+    mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_q, [b, h, first_row, 0], q_bar, q_smem)
+    for i in gl.static_range(NUM_STAGES):
+        _load_tile(desc_k, k_smem, k_bars, i, b, h_kv, lo + i * BLOCK_N, i < num_blocks)
+        _load_tile(desc_v, v_smem, v_bars, i, b, h_kv, lo + i * BLOCK_N, i < num_blocks)
+
+    offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
+    acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
+    s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
+    q = q_smem.reshape([BLOCK_M, BLOCK_D])
+    mbarrier.wait(q_bar, 0)
+
+    # Block 0: S_0 and its softmax, with nothing to overlap.
+    if num_blocks > 0:
+        mbarrier.wait(k_bars.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        _load_tile(desc_k, k_smem, k_bars, 0, b, h_kv, lo + NUM_STAGES * BLOCK_N, NUM_STAGES < num_blocks)
+        if (lo < full_lo) | (lo >= full_hi):
+            p32, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, lo + offs_n, seqlen_k, diag_lo, diag_hi,
+                                            scale_log2, True)
+        else:
+            p32, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, lo + offs_n, seqlen_k, diag_lo, diag_hi,
+                                            scale_log2, False)
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+
+    for j in range(1, num_blocks):
+        stage = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        start_n = lo + j * BLOCK_N
+        mbarrier.wait(k_bars.index(stage), (j // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
+                              use_acc=False, is_async=True)
+        mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        # S_j is done when at most the P V product is in flight: its softmax overlaps that product.
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        # K_j is consumed: refill its buffer NUM_STAGES blocks ahead (Triton's membar analysis puts
+        # a CTA barrier before each copy, after every warp has passed its own wgmma wait).
+        _load_tile(desc_k, k_smem, k_bars, stage, b, h_kv, start_n + NUM_STAGES * BLOCK_N, j + NUM_STAGES < num_blocks)
+        if (start_n < full_lo) | (start_n >= full_hi):
+            p32, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n + offs_n, seqlen_k, diag_lo, diag_hi,
+                                            scale_log2, True)
+        else:
+            p32, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n + offs_n, seqlen_k, diag_lo, diag_hi,
+                                            scale_log2, False)
+        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        _load_tile(desc_v, v_smem, v_bars, prev, b, h_kv, start_n + (NUM_STAGES - 1) * BLOCK_N,
+                   j - 1 + NUM_STAGES < num_blocks)
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+
+    if num_blocks > 0:
+        last = (num_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_bars.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+        o_tok = warpgroup_mma(p, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    # Rows that saw no key have l = 0: output 0 and lse -inf (`forward.finish`).
+    l_o = gl.convert_layout(l_i, rows_o)
+    out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    q_smem.reshape([BLOCK_M, BLOCK_D]).store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_o, [b, h, first_row, 0], q_smem)
+    if WRITE_LSE:
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        lse_ptrs = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_m
+        gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+    tma.store_wait(0)
