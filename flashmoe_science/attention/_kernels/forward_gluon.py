@@ -21,6 +21,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .forward import band_blocks, program_coordinates
+
 
 @gluon.jit
 def _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, MASKED: gl.constexpr):
@@ -40,6 +42,17 @@ def _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, 
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, l_i, m_new, alpha
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k, diag_lo, diag_hi, scale_log2):
+    """`_softmax` of the key block at start_n: masked on the band's edges, plain in [full_lo, full_hi)."""
+    cols = start_n + offs_n
+    if (start_n < full_lo) | (start_n >= full_hi):
+        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, True)
+    else:
+        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, False)
+    return p, l_i, m_i, alpha
 
 
 @gluon.jit
@@ -68,23 +81,10 @@ def attention_forward_gluon_kernel(
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = desc_q.dtype
 
-    # Query blocks of one head are adjacent (they share K/V in L2); causal runs heaviest first.
-    pid = gl.program_id(0)
-    pid_bh = pid // num_m_blocks
-    pid_m = pid % num_m_blocks
-    if CAUSAL:
-        pid_m = num_m_blocks - 1 - pid_m
-    h = pid_bh % num_heads_q
-    b = pid_bh // num_heads_q
-    h_kv = h // group_size
+    b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
     first_row = pid_m * BLOCK_M
-
-    # The key blocks this query block meets (`forward.band_blocks`); [full_lo, full_hi) need no mask.
-    last_row = gl.minimum(first_row + BLOCK_M - 1, seqlen_q - 1)
-    lo = gl.maximum(first_row + diag_lo, 0) // BLOCK_N * BLOCK_N
-    hi = gl.minimum(last_row + diag_hi + 1, seqlen_k)
-    full_lo = gl.maximum(lo, gl.cdiv(gl.maximum(last_row + diag_lo, 0), BLOCK_N) * BLOCK_N)
-    full_hi = gl.maximum(full_lo, gl.minimum(first_row + diag_hi + 1, seqlen_k) // BLOCK_N * BLOCK_N)
+    # [lo, hi): the keys this query block meets; the blocks in [full_lo, full_hi) need no mask.
+    lo, full_lo, full_hi, hi = band_blocks(first_row, seqlen_q, seqlen_k, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
     num_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
@@ -121,12 +121,8 @@ def attention_forward_gluon_kernel(
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         _load_tile(desc_k, k_smem, k_bars, 0, b, h_kv, lo + NUM_STAGES * BLOCK_N, NUM_STAGES < num_blocks)
-        if (lo < full_lo) | (lo >= full_hi):
-            p32, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, lo + offs_n, seqlen_k, diag_lo, diag_hi,
-                                            scale_log2, True)
-        else:
-            p32, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, lo + offs_n, seqlen_k, diag_lo, diag_hi,
-                                            scale_log2, False)
+        p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo, full_lo, full_hi, seqlen_k, diag_lo,
+                                              diag_hi, scale_log2)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
     for j in range(1, num_blocks):
@@ -143,12 +139,8 @@ def attention_forward_gluon_kernel(
         # K_j is consumed: refill its buffer NUM_STAGES blocks ahead (Triton's membar analysis puts
         # a CTA barrier before each copy, after every warp has passed its own wgmma wait).
         _load_tile(desc_k, k_smem, k_bars, stage, b, h_kv, start_n + NUM_STAGES * BLOCK_N, j + NUM_STAGES < num_blocks)
-        if (start_n < full_lo) | (start_n >= full_hi):
-            p32, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n + offs_n, seqlen_k, diag_lo, diag_hi,
-                                            scale_log2, True)
-        else:
-            p32, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n + offs_n, seqlen_k, diag_lo, diag_hi,
-                                            scale_log2, False)
+        p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k,
+                                              diag_lo, diag_hi, scale_log2)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         _load_tile(desc_v, v_smem, v_bars, prev, b, h_kv, start_n + (NUM_STAGES - 1) * BLOCK_N,
                    j - 1 + NUM_STAGES < num_blocks)
