@@ -108,10 +108,10 @@ HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 6
 # The Gluon forward (`_kernels/forward_gluon.py`: asynchronous wgmma, the softmax of one key block
 # overlapping the P V product of the one before) replaces the Triton kernel above where it was
 # measured faster: D = 256, two warpgroups on 128 x 64 tiles (one program per SM, 192 KB of
-# shared memory), 25-30% over the best Triton candidate at S = 4096 and 16384, causal and not, on
+# shared memory), 23-31% over the best Triton candidate at S = 4096 and 16384, causal and not, on
 # an H200 (attention_hopper_sweep.json: 637 against 488 TFLOP/s at S = 4096, 643 against 508
 # causal at S = 16384); on an H100 the benchmark's D = 256 forward went from 490 to 562 TFLOP/s at
-# S = 4096 (attention_fwd.json). At D = 64 and 128 its best candidates trailed the Triton kernel's by 1-5%,
+# S = 4096 (attention_fwd.json). At D = 64 and 128 its best candidates trailed the Triton kernel's by 1-8%,
 # which stays: without warp specialisation both warpgroups of a program run in step, as Triton's
 # barrier analysis puts a CTA barrier before each TMA copy, so one program's softmax does not
 # overlap another's S = Q K^T the way FlashAttention-3's ping-pong schedule has it. Softcapped
