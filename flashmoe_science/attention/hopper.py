@@ -5,11 +5,15 @@ The forward takes dense inputs only; the backward packed ones too. The tensor me
 pointer 16-byte aligned and every stride but the last a multiple of 16 bytes; `supports` says
 whether a call's tensors qualify. The dispatcher (`interface._ForwardPlan`) takes this path for
 large 16-bit calls at padded head dims 64, 128 and 256 on sm90 (`configs.hopper_forward_config`);
-`attention_forward_hopper` runs it with an explicit configuration for sweeps.
+`attention_forward_hopper` runs it (or the Gluon kernel) with an explicit configuration for sweeps.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..launch import KernelLauncher
@@ -18,7 +22,6 @@ from ._kernels.forward_hopper import attention_forward_hopper_kernel
 from .configs import head_dim_block
 
 _LOG2E = 1.4426950408889634
-_UNBOUNDED = 1 << 30
 _HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_kernel)
 _GLUON = KernelLauncher("attention_forward_gluon", attention_forward_gluon_kernel)
 
@@ -101,63 +104,53 @@ def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_sp
         num_warps=config.num_warps, num_stages=config.num_stages, device_index=device_index)
 
 
-def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, warp_specialize: bool,
-                             write_lse: bool = False, window_size=(-1, -1)):
-    """Forward through the Hopper kernel with an explicit AttentionConfig; returns (out, lse).
+def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, warp_specialize: bool = False,
+                             gluon: bool = False, write_lse: bool = False, window_size=(-1, -1)):
+    """Forward through the Hopper Triton kernel, or the Gluon kernel with `gluon`, with an explicit
+    AttentionConfig (for sweeps); returns (out, lse).
 
     q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true;
     window_size as for `flash_attention_science` (with causal, the right bound is 0).
     """
-    if softmax_scale < 0:  # the kernel takes row maxima over unscaled scores (`forward.softmax_step`)
+    if softmax_scale < 0:  # the kernels take row maxima over unscaled scores (`forward.softmax_step`)
         q, softmax_scale = torch.neg(q), -softmax_scale
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
     left, right = window_size
-    launch(q, k, v, out, lse, softmax_scale, 0.0, config, (left, 0 if causal else right), causal=causal,
-           warp_specialize=warp_specialize, device_index=q.device.index)
+    window = (left, 0 if causal else right)
+    if gluon:
+        launch_gluon(q, k, v, out, lse, softmax_scale, config, window, causal=causal, device_index=q.device.index)
+    else:
+        launch(q, k, v, out, lse, softmax_scale, 0.0, config, window, causal=causal,
+               warp_specialize=warp_specialize, device_index=q.device.index)
     return out, lse
 
 
-def _gluon_descriptor(t: torch.Tensor, rows: int, block_d: int):
-    """A Gluon TMA descriptor over dense (B, H, S, D) `t` in tiles of `rows` x block_d, laid out in
-    shared memory as the wgmma wants it (the widest swizzle the tile's rows allow)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+@functools.lru_cache(maxsize=None)
+def _gluon_layout(rows: int, block_d: int, dtype: torch.dtype):
+    """The shared-memory layout wgmma wants for a (1, 1, rows, block_d) tile (the widest swizzle
+    its rows allow)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d],
+                                                gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
-    block = [1, 1, rows, block_d]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+def _gluon_descriptor(t: torch.Tensor, rows: int, block_d: int):
+    """A Gluon TMA descriptor over dense (B, H, S, D) `t` in tiles of `rows` x block_d."""
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d],
+                           _gluon_layout(rows, block_d, t.dtype))
 
 
 def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, device_index=None, key=None) -> None:
     """As `launch`, through the Gluon kernel (`_kernels/forward_gluon.py`): no softcap; config.block_m
-    is 16 rows per warp of its single warpgroup."""
+    is 16 rows per warp."""
     batch, heads_q, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
     block_d = head_dim_block(head_dim)
-    left, right = window
-    diag_hi = _UNBOUNDED if right < 0 else seqlen_k - seqlen_q + right
-    diag_lo = -_UNBOUNDED if left < 0 else seqlen_k - seqlen_q - left
     num_m_blocks = -(-seqlen_q // config.block_m)
     _GLUON.launch(
         key, (num_m_blocks * batch * heads_q, 1, 1),
         (_gluon_descriptor(q, config.block_m, block_d), _gluon_descriptor(k, config.block_n, block_d),
          _gluon_descriptor(v, config.block_n, block_d), _gluon_descriptor(out, config.block_m, block_d),
          out if lse is None else lse, scale * _LOG2E, heads_q * seqlen_q, seqlen_q,
-         heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k, num_m_blocks, diag_lo, diag_hi,
+         heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
          config.block_m, config.block_n, block_d, config.num_stages, causal, lse is not None),
         num_warps=config.num_warps, num_stages=1, device_index=device_index)
-
-
-def attention_forward_gluon(q, k, v, causal: bool, softmax_scale: float, config, *, write_lse: bool = False,
-                            window_size=(-1, -1)):
-    """Forward through the Gluon kernel with an explicit AttentionConfig; returns (out, lse).
-    Arguments as for `attention_forward_hopper`."""
-    if softmax_scale < 0:
-        q, softmax_scale = torch.neg(q), -softmax_scale
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
-    left, right = window_size
-    launch_gluon(q, k, v, out, lse, softmax_scale, config, (left, 0 if causal else right), causal=causal,
-                 device_index=q.device.index)
-    return out, lse

@@ -678,7 +678,8 @@ def _hopper_sweep(args, device):
         for bm, bn, warps, stages in GLUON_CANDIDATES.get(head_dim, []):
             cfg = AttentionConfig(bm, bn, warps, stages)
             rows.append(timed(f"gluon {bm}x{bn} w{warps} s{stages}",
-                              lambda: hopper.attention_forward_gluon(q, k, v, causal, scale, cfg, window_size=window)))
+                              lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, gluon=True,
+                                                                      window_size=window)))
     return rows
 
 

@@ -21,7 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward import band_blocks, program_coordinates
+from .forward import band_blocks, band_diagonals, program_coordinates
 
 
 @gluon.jit
@@ -66,7 +66,7 @@ def _load_tile(desc, smem, bars, stage, b, h_kv, start_n, pred):
 def attention_forward_gluon_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,
     scale_log2, stride_lb, stride_lh,
-    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, diag_lo, diag_hi,
+    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):
@@ -84,6 +84,7 @@ def attention_forward_gluon_kernel(
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
     first_row = pid_m * BLOCK_M
     # [lo, hi): the keys this query block meets; the blocks in [full_lo, full_hi) need no mask.
+    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
     lo, full_lo, full_hi, hi = band_blocks(first_row, seqlen_q, seqlen_k, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
     num_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
