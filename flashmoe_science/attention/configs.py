@@ -110,7 +110,7 @@ HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 6
 # measured faster: D = 256, two warpgroups on 128 x 64 tiles (one program per SM, 192 KB of
 # shared memory), 23-31% over the best Triton candidate at S = 4096 and 16384, causal and not, on
 # an H200 (attention_hopper_sweep.json: 637 against 488 TFLOP/s at S = 4096, 643 against 508
-# causal at S = 16384); on an H100 the benchmark's D = 256 forward went from 490 to 562 TFLOP/s at
+# causal at S = 16384); on an H100 the benchmark's D = 256 forward went from 490 to 573 TFLOP/s at
 # S = 4096 (attention_fwd.json). At D = 64 and 128 its best candidates trailed the Triton kernel's by 1-8%,
 # which stays: without warp specialisation both warpgroups of a program run in step, as Triton's
 # barrier analysis puts a CTA barrier before each TMA copy, so one program's softmax does not
