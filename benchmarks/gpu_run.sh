@@ -34,7 +34,7 @@ for stage in "${stages[@]}"; do
     hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
     backward-sweep)
       python3 -m flashmoe_science.bench.backward_sweep --head-dims "${HEAD_DIMS:-128}" --seqlens 4096 \
-        ${DQ_PATHS:+--dq-paths "$DQ_PATHS"} --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
+        ${DQ_PATHS:+--dq-paths "$DQ_PATHS"} ${GLUON:+--gluon} --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
     window-sweep)  # forward (generic and Hopper) and backward candidates on causal windows of $WINDOW at S = 16384
       bench attention --sweep --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" --no-plot
       bench attention --sweep-hopper --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" --no-plot

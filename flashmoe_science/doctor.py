@@ -109,8 +109,8 @@ def _check_attention(gpu: bool, quick: bool) -> bool:
 
 
 def _check_attention_backward(gpu: bool, quick: bool) -> bool:
-    """The backward of the first forward cases: which kernels ran (on sm90, whether their tiles
-    moved through tensor descriptors, constexpr TMA), the worst of the dq, dk, dv errors against
+    """The backward of the first forward cases: which kernels ran (on sm90, the Gluon kernels or
+    whether the Triton kernels' tiles moved through tensor descriptors, constexpr TMA), the worst of the dq, dk, dv errors against
     float64 next to PyTorch's own, and GPU time next to SDPA's backward."""
     from .attention import attention_reference, flash_attention_science
     from .attention.reference import causal_mask
@@ -125,7 +125,9 @@ def _check_attention_backward(gpu: bool, quick: bool) -> bool:
         grad = torch.randn_like(q)
         clear_records()
         ours = torch.autograd.grad(flash_attention_science(q, k, v, causal=causal), (q, k, v), grad)
-        records = [last_launch(op) for op in ("attention_backward_dkdv", "attention_backward_dq")]
+        records = [next(filter(None, map(last_launch, (f"attention_backward_{kernel}_gluon",
+                                                       f"attention_backward_{kernel}"))), None)
+                   for kernel in ("dkdv", "dq")]
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         refs = torch.autograd.grad(attention_reference(*leaves, causal=causal)[0], leaves, grad.double())
         group = hq // hkv

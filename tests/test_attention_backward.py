@@ -27,10 +27,10 @@ TINY_BLOCKS = BackwardConfig(dkdv=AttentionConfig(16, 32, 4, 1), dq=AttentionCon
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 
-def reference_grads(q, k, v, grad_out, causal, softmax_scale=None, grad_lse=None):
+def reference_grads(q, k, v, grad_out, causal, softmax_scale=None, grad_lse=None, window_size=(-1, -1)):
     """float64 gradients of (out, lse) through the reference, weighted by grad_out (and grad_lse)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = attention_reference(q64, k64, v64, causal=causal, softmax_scale=softmax_scale)
+    out, lse = attention_reference(q64, k64, v64, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     outputs, grads = [out], [grad_out.double()]
     if grad_lse is not None:
         outputs.append(lse)
@@ -534,6 +534,79 @@ def test_gpu_tma_tiles_give_the_pointer_kernels_bits(B, Hq, Hkv, Sq, Sk, D, caus
     for name, pointer, tma in zip(("dq", "dk", "dv"), *runs):
         assert torch.equal(pointer, tma), name
     assert_within_twice_pytorch(runs[1], q, k, v, grad_out, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D,Hq,Hkv,Sq,Sk,causal,window", [
+    (128, 8, 2, 1700, 1700, False, (-1, -1)),   # GQA, lengths not block multiples
+    (64, 8, 8, 700, 4000, True, (-1, -1)),      # causal, Sq < Sk: the band starts mid-keys
+    (96, 8, 1, 3000, 1000, True, (-1, -1)),     # MQA, Sq > Sk: rows before Sq - Sk see no key; D padded
+    (128, 8, 4, 2000, 2000, False, (300, 45)),  # a sliding window: masked blocks on both edges
+    (200, 8, 2, 1500, 1000, True, (-1, -1)),    # D = 256 tiles (columns split between warpgroups), padded
+])
+def test_gpu_gluon_backward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window, dtype):
+    """The Gluon kernels (sm90) with the sweep's candidates for this head dim, one per way of
+    laying out each kernel's resident block (rows and warps), on NaN-poisoned memory: gradients
+    within twice PyTorch's own error against float64, zero for rows that see no key, and bitwise
+    equal across runs."""
+    from flashmoe_science.attention.configs import gluon_backward_candidates
+    from flashmoe_science.attention.reference import band_mask
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are for sm90")
+    q, k, v = make_qkv(1, Hq, Hkv, Sq, Sk, D, dtype, "cuda", layout="bshd")
+    grad_out = torch.randn_like(q)
+    out, lse = flash_attention_forward(q, k, v, causal=causal, window_size=window)
+    refs = reference_grads(q, k, v, grad_out, causal, window_size=window)
+    # PyTorch's own error over the rows that see a key (SDPA gives NaN for the others).
+    mask = band_mask(Sq, Sk, causal, window, q.device)
+    rows = mask.any(dim=1)
+    group = Hq // Hkv
+    leaves = [t.detach().requires_grad_() for t in (q[:, :, rows], k, v)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        leaves[0], leaves[1].repeat_interleave(group, 1), leaves[2].repeat_interleave(group, 1), attn_mask=mask[rows])
+    theirs = torch.autograd.grad(sdpa, leaves, grad_out[:, :, rows])
+    bounds = [2 * rel_error(t, ref) + 5e-4 for t, ref in zip(theirs, (refs[0][:, :, rows], refs[1], refs[2]))]
+    first, layouts = None, set()
+    for cfg in gluon_backward_candidates(head_dim_block(D)):
+        layout = (cfg.dkdv.block_n, cfg.dkdv.num_warps, cfg.dq.block_m, cfg.dq.num_warps)
+        if layout in layouts:
+            continue
+        layouts.add(layout)
+        poison = [torch.full_like(t, float("nan")) for t in (q, k, v, q, k, v)]
+        del poison
+        grads = attention_backward(grad_out, q, k, v, out, lse, causal, None, window, config=cfg)
+        assert last_launch("attention_backward_dkdv_gluon").constexprs["BLOCK_N"] == cfg.dkdv.block_n
+        assert last_launch("attention_backward_dq_gluon").constexprs["BLOCK_M"] == cfg.dq.block_m
+        for name, g, ref, bound in zip(("dq", "dk", "dv"), grads, refs, bounds):
+            assert torch.isfinite(g).all(), (name, cfg)
+            assert rel_error(g, ref) <= bound, (name, str(cfg), rel_error(g, ref), bound)
+        assert torch.all(grads[0][:, :, ~rows] == 0)
+        if first is None:
+            first = grads
+            again = attention_backward(grad_out, q, k, v, out, lse, causal, None, window, config=cfg)
+            assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_backward_dispatch_takes_the_gluon_kernels_where_measured_faster(D):
+    """Large dense calls on sm90 take the Gluon kernels at the head dims of `GLUON_BACKWARD`
+    (the Triton kernels elsewhere, and for softcapped calls), within twice PyTorch's error."""
+    from flashmoe_science.attention.configs import GLUON_BACKWARD
+    from flashmoe_science.launch import clear_records
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are for sm90")
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 8, 2, 2048, 2048, D, torch.bfloat16, "cuda", layout="bshd"))
+    grad_out = torch.randn_like(q)
+    for softcap in (0.0, 30.0):
+        clear_records()
+        ours = torch.autograd.grad(flash_attention_science(q, k, v, causal=True, softcap=softcap), (q, k, v), grad_out)
+        gluon = softcap == 0 and D in GLUON_BACKWARD
+        assert (last_launch("attention_backward_dkdv_gluon") is not None) is gluon
+        assert (last_launch("attention_backward_dkdv") is None) is gluon
+        if softcap == 0:
+            assert_within_twice_pytorch(ours, q, k, v, grad_out, True)
 
 
 @pytest.mark.gpu

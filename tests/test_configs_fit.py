@@ -26,10 +26,12 @@ def test_hopper_attention_forward_uses_wgmma(compiled_rows):
 
 @pytest.mark.targets
 def test_hopper_attention_backward_tma_builds_use_wgmma_and_the_copy_engine(compiled_rows):
-    """The backward builds that move tiles through descriptors compile to bulk tensor copies and
-    wgmma products on sm90; the pointer builds of the same tiles to no bulk copy."""
+    """The backward builds that move tiles through descriptors (the Triton kernels' tma builds and
+    the Gluon kernels) compile to bulk tensor copies and wgmma products on sm90; the pointer
+    builds of the same tiles to no bulk copy."""
     backward = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith("attention_backward_d")]
-    tma = [r for r in backward if " tma " in r["label"]]
+    tma = [r for r in backward if " tma " in r["label"] or "_gluon " in r["label"]]
+    assert any("_gluon " in r["label"] for r in tma)
     assert tma and all(r["wgmma"] and r["tma"] for r in tma), [r["label"] for r in tma]
     assert not any(r["tma"] for r in backward if r not in tma)
 

@@ -22,6 +22,7 @@ together, so the other combinations are left out of the check to keep it fast.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 
 from ..device import DeviceInfo
 
@@ -257,15 +258,20 @@ class BackwardConfig:
         descriptors (the tensor memory accelerator, sm90) instead of pointer loads and stores: the
         same products in the same order, so the same bits. Dense 16-bit calls whose tensors TMA can
         address take it (`hopper.supports`); others run the pointer kernels with the same tiles.
+    gluon: with tma, dense calls without softcap run the Gluon kernels instead
+        (`_kernels/backward_gluon.py`: asynchronous wgmma, FlashAttention-3's overlap of the
+        exponentials with the products); the resident block is 16 rows per warp. Packed or
+        softcapped calls run the Triton kernels with the same tiles.
     """
 
     dkdv: AttentionConfig
     dq: AttentionConfig
     dq_path: str = "kernel"
     tma: bool = False
+    gluon: bool = False
 
     def __str__(self) -> str:
-        loads = " tma" if self.tma else ""
+        loads = " gluon" if self.gluon else " tma" if self.tma else ""
         if self.dq_path != "kernel":
             return f"dkdv({self.dkdv}) dq {self.dq_path}{loads}"
         return f"dkdv({self.dkdv}) dq({self.dq}){loads}"
@@ -344,6 +350,29 @@ PACKED_CAUSAL_BACKWARD = {
 }
 
 
+# The Gluon backward (`_kernels/backward_gluon.py`: asynchronous wgmma, the exponentials and dS of
+# one block computed while the tensor cores run the products of another) for dense calls without
+# softcap on sm90, by padded head dim. H100 sweep at S = 4096, bf16, the backward alone
+# (benchmarks/results/attention_backward_sweep_gluon.json), against the Triton kernels' table
+# entry: D = 128 465 against 419 TFLOP/s (causal 425 against 375), one warpgroup on 64 x 64 tiles
+# for both kernels (two programs per SM); D = 256 412 against 225 (causal 386 against 219), the
+# dK/dV kernel's 64 keys split by columns between two warpgroups (no register spills, where the
+# Triton kernel spilled 256 bytes) and a one-warpgroup dQ kernel. At D = 64 the Gluon candidates
+# tied the Triton kernels within 3% (an earlier version of the kernels, not committed), which stay.
+GLUON_BACKWARD = {128: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 2), tma=True,
+                                      gluon=True),
+                  256: BackwardConfig(AttentionConfig(64, 64, 8, 2), AttentionConfig(64, 64, 4, 2), tma=True,
+                                      gluon=True)}
+
+
+def gluon_backward_config(device: DeviceInfo, element_size: int, head_dim: int) -> BackwardConfig | None:
+    """The Gluon backward's configuration for a dense call without softcap, or None where the Triton
+    kernels run (not sm90, not 16-bit, or a head dim the Gluon kernels were not measured faster at)."""
+    if device.capability != 90 or device.arch_family != 90 or element_size != 2:
+        return None
+    return GLUON_BACKWARD.get(head_dim_block(head_dim))
+
+
 def backward_config(device: DeviceInfo, element_size: int, head_dim: int,
                     packed_causal: bool = False) -> BackwardConfig:
     """The backward configuration for a call on `device`."""
@@ -373,6 +402,9 @@ def backward_configs(capability: int):
         for element_size, by_dim in table.get(family, {}).items():
             for block_d, cfg in by_dim.items():
                 yield element_size, block_d, cfg
+    if capability == 90:
+        for block_d, cfg in GLUON_BACKWARD.items():
+            yield 2, block_d, cfg
 
 
 def dq_paths(family: int) -> tuple[str, ...]:
@@ -435,6 +467,43 @@ def backward_candidates(family: int, element_size: int, block_d: int, paths=None
                 yield BackwardConfig(AttentionConfig(rows, keys, warps, stages), base.dq, path, base.tma)
 
 
+def gluon_backward_candidates(block_d: int):
+    """Gluon backward configurations worth timing at a padded head dim (16-bit, sm90): the
+    starting point, then one kernel varied at a time. The resident block is one warpgroup's 64
+    rows, two warpgroups' 128, or 64 rows split between two warpgroups by columns (8 warps);
+    streamed blocks of 32, 64 or 128 rows in 2 or 3 stages. Kept are those whose shared memory
+    (the resident pair, one streamed pair per stage, room for layout conversions) fits an H100
+    and whose fp32 tiles per thread (a warpgroup's share of the accumulators and of the two
+    score tiles) stay at or below 192 registers, which compile without spilling."""
+    from ..device import SHARED_MEMORY_PER_BLOCK
+
+    budget = SHARED_MEMORY_PER_BLOCK[90] - 8 * 1024
+
+    def fits(resident, streamed, warps, stages, accumulators):
+        column_split = warps * 16 // resident  # warpgroups sharing one 64-row block by columns
+        regs = 64 * (accumulators * block_d + 2 * streamed) // (128 * column_split)
+        return 4 * block_d * (resident + streamed * stages) <= budget and regs <= 192
+
+    def variants(accumulators):
+        for (resident, warps), streamed, stages in product(((64, 4), (64, 8), (128, 8)), (32, 64, 128), (2, 3)):
+            if fits(resident, streamed, warps, stages, accumulators):
+                yield resident, streamed, warps, stages
+
+    if block_d <= 128:
+        base = BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 2), tma=True, gluon=True)
+    else:
+        base = BackwardConfig(AttentionConfig(64, 64, 8, 2), AttentionConfig(128, 32, 8, 2), tma=True, gluon=True)
+    yield base
+    for resident, streamed, warps, stages in variants(accumulators=2):
+        dkdv = AttentionConfig(streamed, resident, warps, stages)
+        if dkdv != base.dkdv:
+            yield BackwardConfig(dkdv, base.dq, tma=True, gluon=True)
+    for resident, streamed, warps, stages in variants(accumulators=1):
+        dq = AttentionConfig(resident, streamed, warps, stages)
+        if dq != base.dq:
+            yield BackwardConfig(base.dkdv, dq, tma=True, gluon=True)
+
+
 def _backward_builds(capability: int):
     from itertools import product
 
@@ -464,6 +533,9 @@ def _backward_builds(capability: int):
                            aligned=tuple(aligned))
 
     for element_size, block_d, cfg in backward_configs(capability):
+        if cfg.gluon:
+            yield from _gluon_backward_builds(block_d, cfg)
+            continue
         rows = preprocess_block_m(block_d)
         yield build(backward.attention_backward_preprocess_kernel,
                     f"attention_backward_preprocess BLOCK_M={rows} warps={PREPROCESS_WARPS}", element_size, block_d,
@@ -492,3 +564,40 @@ def _backward_builds(capability: int):
                         dq.num_warps, dq.num_stages,
                         tiles=tma and dict(Q=dq.block_m, DO=dq.block_m, K=dq.block_n, V=dq.block_n,
                                            **stored(DQ=dq.block_m)))
+
+
+def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
+    """The Gluon backward kernels' builds (sm90) for one configuration, fp16 and bf16: the shared
+    memory layouts of the descriptors are part of the signature."""
+    from triton.experimental.gluon import language as gl
+
+    from ..target_compile import KernelBuild
+    from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
+
+    def descriptors(sig, name, dtype, tiles):
+        for arg, rows in tiles.items():
+            layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], dtype)
+            sig[arg] = f"tensordesc<{name}[1,1,{rows},{block_d}],{layout!r}>"
+
+    for name, dtype in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
+        dkdv, dq = cfg.dkdv, cfg.dq
+        kernel = attention_backward_dkdv_gluon_kernel
+        sig = {n: "i32" for n in kernel.arg_names}
+        descriptors(sig, name, dtype, dict(desc_q=dkdv.block_m, desc_do=dkdv.block_m, desc_k=dkdv.block_n,
+                                           desc_v=dkdv.block_n, desc_dk=dkdv.block_n, desc_dv=dkdv.block_n))
+        sig.update(LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
+        constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, NUM_STAGES=dkdv.num_stages)
+        sig.update({n: "constexpr" for n in constexprs})
+        yield KernelBuild(label=f"attention_backward_dkdv_gluon {name} D={block_d} {dkdv}", fn=kernel, signature=sig,
+                          constexprs=constexprs, num_warps=dkdv.num_warps, num_stages=1, aligned=("LSE", "DELTA"))
+        kernel = attention_backward_dq_gluon_kernel
+        sig = {n: "i32" for n in kernel.arg_names}
+        descriptors(sig, name, dtype, dict(desc_q=dq.block_m, desc_do=dq.block_m, desc_dq=dq.block_m,
+                                           desc_k=dq.block_n, desc_v=dq.block_n))
+        sig.update(O=f"*{name}", LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_D=block_d,
+                          NUM_STAGES=dq.num_stages, DELTA_HERE=True)
+        sig.update({n: "constexpr" for n in constexprs})
+        yield KernelBuild(label=f"attention_backward_dq_gluon {name} D={block_d} {dq}", fn=kernel, signature=sig,
+                          constexprs=constexprs, num_warps=dq.num_warps, num_stages=1,
+                          aligned=("O", "LSE", "DELTA"))

@@ -1,5 +1,6 @@
 """The Hopper (sm90) paths: TMA tensor descriptors for the Q, K, V and O tiles of the forward
-kernel, and for the tiles the backward kernels load and store (`backward_descriptors`).
+kernel, and for the tiles the backward kernels load and store (`backward_descriptors`); the Gluon
+forward (`launch_gluon`) and backward (`launch_gluon_backward`) kernels.
 
 The forward takes dense inputs only; the backward packed ones too. The tensor memory accelerator needs every base
 pointer 16-byte aligned and every stride but the last a multiple of 16 bytes; `supports` says
@@ -17,6 +18,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..launch import KernelLauncher
+from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 from ._kernels.forward_gluon import attention_forward_gluon_kernel
 from ._kernels.forward_hopper import attention_forward_hopper_kernel
 from .configs import head_dim_block
@@ -24,6 +26,8 @@ from .configs import head_dim_block
 _LOG2E = 1.4426950408889634
 _HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_kernel)
 _GLUON = KernelLauncher("attention_forward_gluon", attention_forward_gluon_kernel)
+_GLUON_DQ = KernelLauncher("attention_backward_dq_gluon", attention_backward_dq_gluon_kernel)
+_GLUON_DKDV = KernelLauncher("attention_backward_dkdv_gluon", attention_backward_dkdv_gluon_kernel)
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -154,3 +158,35 @@ def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, device_ind
          heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
          config.block_m, config.block_n, block_d, config.num_stages, causal, lse is not None),
         num_warps=config.num_warps, num_stages=1, device_index=device_index)
+
+
+def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, scale, config, window, *, delta_here,
+                          device_index=None, key=None) -> None:
+    """The Gluon backward kernels (`_kernels/backward_gluon.py`) for dense (B, H, S, D) tensors:
+    the dQ kernel (which writes delta first when `delta_here`), then the dK/dV kernel. `config` is
+    a BackwardConfig; `window` and `key` as for `launch`."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    block_d = head_dim_block(head_dim)
+    group = heads_q // heads_kv
+    lse_strides = (heads_q * seqlen_q, seqlen_q)
+    c = config.dq
+    num_m_blocks = -(-seqlen_q // c.block_m)
+    _GLUON_DQ.launch(
+        key, (num_m_blocks * batch * heads_q, 1, 1),
+        (_gluon_descriptor(q, c.block_m, block_d), _gluon_descriptor(k, c.block_n, block_d),
+         _gluon_descriptor(v, c.block_n, block_d), _gluon_descriptor(grad_output, c.block_m, block_d),
+         _gluon_descriptor(dq, c.block_m, block_d), out, lse, delta, scale, scale * _LOG2E, *out.stride()[:3],
+         *lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window,
+         head_dim, c.block_m, c.block_n, block_d, c.num_stages, delta_here),
+        num_warps=c.num_warps, num_stages=1, device_index=device_index)
+    c = config.dkdv
+    num_n_blocks = -(-seqlen_k // c.block_n)
+    _GLUON_DKDV.launch(
+        key, (num_n_blocks * batch * heads_kv, 1, 1),
+        (_gluon_descriptor(q, c.block_m, block_d), _gluon_descriptor(k, c.block_n, block_d),
+         _gluon_descriptor(v, c.block_n, block_d), _gluon_descriptor(grad_output, c.block_m, block_d),
+         _gluon_descriptor(dk, c.block_n, block_d), _gluon_descriptor(dv, c.block_n, block_d), lse, delta,
+         scale, scale * _LOG2E, *lse_strides, heads_kv, group, seqlen_q, seqlen_k, num_n_blocks, *window,
+         c.block_m, c.block_n, block_d, c.num_stages),
+        num_warps=c.num_warps, num_stages=1, device_index=device_index)

@@ -23,8 +23,8 @@ from ._kernels.backward import (DQ_MODES, attention_backward_dkdv_kernel, attent
                                 attention_backward_preprocess_kernel)
 from ._kernels.forward import attention_forward_kernel
 from . import hopper
-from .configs import (HOPPER_MIN_FLOPS, PREPROCESS_WARPS, backward_config, forward_config, head_dim_block,
-                      hopper_forward_config, preprocess_block_m)
+from .configs import (HOPPER_MIN_FLOPS, PREPROCESS_WARPS, backward_config, forward_config, gluon_backward_config,
+                      head_dim_block, hopper_forward_config, preprocess_block_m)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -257,7 +257,7 @@ class _BackwardPlan:
 
     __slots__ = ("empty", "copy_last_dim", "config", "default_scale", "softcap", "packed", "lse_shape",
                  "device_index", "preprocess_grid", "dkdv_grid", "dq_grid", "preprocess_options", "dkdv_options",
-                 "dq_options", "dq_mode", "tma")
+                 "dq_options", "dq_mode", "tma", "gluon", "window")
 
     def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None):
         grad_output, q, k, v, out, _ = tensors
@@ -301,6 +301,14 @@ class _BackwardPlan:
         self.tma = (cfg.tma and not self.copy_last_dim and (config is not None or flops >= HOPPER_MIN_FLOPS)
                     and not (packed and self.dq_mode != DQ_MODES["kernel"])
                     and hopper.supports_backward(tensors[:5], head_dim))
+        # Dense calls without softcap that take descriptors run the Gluon kernels where
+        # `configs.GLUON_BACKWARD` has them (they compute their own grids from the config).
+        gluon_cfg = None if config is not None or packed or softcap or not self.tma else gluon_backward_config(
+            info_for(q), q.element_size(), head_dim)
+        if gluon_cfg is not None:
+            cfg = self.config = gluon_cfg
+        self.gluon = cfg.gluon and self.tma and not packed and softcap == 0 and self.dq_mode == DQ_MODES["kernel"]
+        self.window = window
 
 
 _BACKWARD_PLANS: dict = {}
@@ -369,6 +377,10 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     scales = (scale, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E)
     sq, sk, sv, sdq, sdk, sdv = (_row_strides(t, packed) for t in (q, k, v, dq, dk, dv))
     cfg = plan.config
+    if plan.gluon:
+        hopper.launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, scale, cfg, plan.window,
+                                     delta_here=delta_here, key=key, device_index=plan.device_index)
+        return dq, dk, dv
     tma = plan.tma  # descriptors hold data pointers, so they are built per call; what Triton
     # specialises a kernel on (their dtype and tile shape) follows from the plan, so `key` holds
     if mode == DQ_MODES["kernel"]:  # first: it writes delta for the dK/dV kernel

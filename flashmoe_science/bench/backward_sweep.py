@@ -1,7 +1,7 @@
 """Time the candidate attention-backward configurations on a GPU, to tune `configs.BACKWARD`.
 
     python -m flashmoe_science.bench.backward_sweep [--head-dims 64,128,256] [--seqlens 4096]
-                                                    [--window W] [--dq-paths P,...] [--out DIR]
+                                                    [--window W] [--dq-paths P,...] [--gluon] [--out DIR]
 
 For each head dim, sequence length and causal flag, at the throughput benchmark's shapes (16k
 tokens per batch, Hq * D = 2048, bf16, (B, S, H, D) layout), it times the backward alone
@@ -14,6 +14,8 @@ seconds); the causal flag does not recompile. With --window W the cases are caus
 calls of left window W instead (window_size=(W, 0)), written to attention_backward_sweep_windowW.
 With --dq-paths only the table's configuration and the candidates of those dQ paths run
 (`BackwardConfig.dq_path`), written to a file named after them (attention_backward_sweep_dq_tma).
+With --gluon the table's configuration and the Gluon kernels' candidates run (sm90, head dims up
+to 128), written to attention_backward_sweep_gluon.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import sys
 
 import torch
 
-from ..attention.configs import backward_candidates, head_dim_block
+from ..attention.configs import backward_candidates, gluon_backward_candidates, head_dim_block
 from ..attention.interface import attention_backward, attention_forward
 from ..device import info_for
 from .common import attention_flops, environment, progress, rel_error, time_gpu, write_results
@@ -34,11 +36,12 @@ MAX_REL_DIFF = 1e-2  # a candidate whose gradients differ more from the table's 
 
 
 def sweep(head_dims=(64, 128, 256), seqlens=(4096,), causals=(False, True), dtype=torch.bfloat16,
-          device="cuda", tokens=TOKENS, window=None, hidden=HIDDEN, dq_paths=None) -> list[dict]:
+          device="cuda", tokens=TOKENS, window=None, hidden=HIDDEN, dq_paths=None, gluon=False) -> list[dict]:
     """One row per (head dim, sequence length, causal, candidate): ms and TFLOP/s, or the error
     that kept the candidate from running (such as too little shared memory). With `window`, the
     calls are causal with that left window (`causals` is ignored). `dq_paths` limits the
-    candidates to those dQ paths (`configs.backward_candidates`)."""
+    candidates to those dQ paths (`configs.backward_candidates`); `gluon` times the table's
+    configuration and the Gluon kernels' candidates (`configs.gluon_backward_candidates`) instead."""
     rows = []
     window_size = (-1, -1) if window is None else (window, 0)
     cases = list(itertools.product(head_dims, seqlens, causals if window is None else (True,)))
@@ -54,10 +57,13 @@ def sweep(head_dims=(64, 128, 256), seqlens=(4096,), causals=(False, True), dtyp
         def backward(cfg):
             return attention_backward(grad_out, q, k, v, out, lse, causal, None, window_size, config=cfg)
 
-        for rank, cfg in enumerate(backward_candidates(family, q.element_size(), head_dim_block(head_dim),
-                                                                 dq_paths)):
+        candidates = backward_candidates(family, q.element_size(), head_dim_block(head_dim), dq_paths)
+        if gluon:
+            candidates = [next(candidates), *gluon_backward_candidates(head_dim_block(head_dim))]
+        for rank, cfg in enumerate(candidates):
             row = dict(head_dim=head_dim, seqlen=seqlen, causal=causal, window=window, table_config=rank == 0,
-                       config=str(cfg), dkdv=_fields(cfg.dkdv), dq=_fields(cfg.dq), dq_path=cfg.dq_path)
+                       config=str(cfg), dkdv=_fields(cfg.dkdv), dq=_fields(cfg.dq), dq_path=cfg.dq_path,
+                       gluon=cfg.gluon)
             try:
                 grads = backward(cfg)
                 t = time_gpu(lambda: backward(cfg), warmup_ms=5, rep_ms=25, repeats=1)
@@ -82,7 +88,8 @@ def _case(row) -> tuple:
 
 def _notation(row) -> str:
     path = row.get("dq_path", "kernel")
-    return f"B(C{tuple(row['dkdv'])}, C{tuple(row['dq'])}" + ("" if path == "kernel" else f", {path!r}") + ")"
+    options = ("" if path == "kernel" else f", {path!r}") + (", tma=True, gluon=True" if row.get("gluon") else "")
+    return f"B(C{tuple(row['dkdv'])}, C{tuple(row['dq'])}{options})"
 
 
 def best_per_case(rows) -> list[str]:
@@ -107,14 +114,17 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=None, help="causal sliding-window calls of this left window")
     parser.add_argument("--dq-paths", default=None,
                         help="comma-separated dQ paths to sweep (kernel, atomic, tma; default all this GPU runs)")
+    parser.add_argument("--gluon", action="store_true", help="time the Gluon kernels' candidates (sm90)")
     parser.add_argument("--out", default="out/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the backward sweep times GPU kernels; no GPU here", file=sys.stderr)
         return 2
     rows = sweep(tuple(int(x) for x in args.head_dims.split(",")), tuple(int(x) for x in args.seqlens.split(",")),
-                 window=args.window, dq_paths=None if args.dq_paths is None else tuple(args.dq_paths.split(",")))
-    name = "attention_backward_sweep" + ("" if args.window is None else f"_window{args.window}")
+                 window=args.window, dq_paths=None if args.dq_paths is None else tuple(args.dq_paths.split(",")),
+                 gluon=args.gluon)
+    name = "attention_backward_sweep" + ("_gluon" if args.gluon else "") + (
+        "" if args.window is None else f"_window{args.window}")
     if args.dq_paths is not None:
         name += "_dq_" + args.dq_paths.replace(",", "_")
     write_results(args.out, name, rows, {"environment": environment()})
