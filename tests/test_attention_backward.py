@@ -536,6 +536,42 @@ def test_gpu_tma_tiles_give_the_pointer_kernels_bits(B, Hq, Hkv, Sq, Sk, D, caus
     assert_within_twice_pytorch(runs[1], q, k, v, grad_out, causal)
 
 
+@pytest.mark.parametrize("D", [128, 256])
+def test_gluon_backward_launches_describe_each_tile_of_its_tensor(D, monkeypatch):
+    """The Gluon launches (recorded, not run: Gluon has no interpreter) get a descriptor of the
+    right tensor and tile for every tiled argument; the kernels share those of equal tiles."""
+    from flashmoe_science.attention import hopper
+    from flashmoe_science.attention.configs import GLUON_BACKWARD
+
+    calls = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, key, grid, args, **options):
+            calls[self.name] = args
+
+    monkeypatch.setattr(hopper, "_GLUON_DQ", Recorder("dq"))
+    monkeypatch.setattr(hopper, "_GLUON_DKDV", Recorder("dkdv"))
+    q, k, v = make_qkv(1, 4, 2, 100, 120, D, torch.bfloat16, "cpu", layout="bshd")
+    grad_out, out, dq = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    lse = delta = torch.zeros(1, 4, 100)
+    cfg = GLUON_BACKWARD[D]
+    hopper.launch_gluon_backward(grad_out, q, k, v, out, lse, delta, dq, dk, dv, 0.1, cfg, (-1, 0), delta_here=True)
+    expected = {"dq": [(q, cfg.dq.block_m), (k, cfg.dq.block_n), (v, cfg.dq.block_n), (grad_out, cfg.dq.block_m),
+                       (dq, cfg.dq.block_m)],
+                "dkdv": [(q, cfg.dkdv.block_m), (k, cfg.dkdv.block_n), (v, cfg.dkdv.block_n),
+                         (grad_out, cfg.dkdv.block_m), (dk, cfg.dkdv.block_n), (dv, cfg.dkdv.block_n)]}
+    for name, tiles in expected.items():
+        for desc, (t, rows) in zip(calls[name], tiles):
+            assert desc.base is t and desc.block_shape == [1, 1, rows, head_dim_block(D)], name
+            assert list(desc.shape) == list(t.shape) and list(desc.strides) == list(t.stride()), name
+    shared = [i for i, (t, rows) in enumerate(expected["dq"][:4]) if expected["dkdv"][i][1] == rows]
+    assert all(calls["dq"][i] is calls["dkdv"][i] for i in shared)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D,Hq,Hkv,Sq,Sk,causal,window", [

@@ -170,13 +170,19 @@ def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, sca
     block_d = head_dim_block(head_dim)
     group = heads_q // heads_kv
     lse_strides = (heads_q * seqlen_q, seqlen_q)
+    built = {}  # the two kernels share a descriptor wherever their tiles of a tensor have the same rows
+
+    def describe(t, rows):
+        if (id(t), rows) not in built:
+            built[id(t), rows] = _gluon_descriptor(t, rows, block_d)
+        return built[id(t), rows]
+
     c = config.dq
     num_m_blocks = -(-seqlen_q // c.block_m)
     _GLUON_DQ.launch(
         key, (num_m_blocks * batch * heads_q, 1, 1),
-        (_gluon_descriptor(q, c.block_m, block_d), _gluon_descriptor(k, c.block_n, block_d),
-         _gluon_descriptor(v, c.block_n, block_d), _gluon_descriptor(grad_output, c.block_m, block_d),
-         _gluon_descriptor(dq, c.block_m, block_d), out, lse, delta, scale, scale * _LOG2E, *out.stride()[:3],
+        (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
+         describe(dq, c.block_m), out, lse, delta, scale, scale * _LOG2E, *out.stride()[:3],
          *lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window,
          head_dim, c.block_m, c.block_n, block_d, c.num_stages, delta_here),
         num_warps=c.num_warps, num_stages=1, device_index=device_index)
@@ -184,9 +190,8 @@ def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, sca
     num_n_blocks = -(-seqlen_k // c.block_n)
     _GLUON_DKDV.launch(
         key, (num_n_blocks * batch * heads_kv, 1, 1),
-        (_gluon_descriptor(q, c.block_m, block_d), _gluon_descriptor(k, c.block_n, block_d),
-         _gluon_descriptor(v, c.block_n, block_d), _gluon_descriptor(grad_output, c.block_m, block_d),
-         _gluon_descriptor(dk, c.block_n, block_d), _gluon_descriptor(dv, c.block_n, block_d), lse, delta,
+        (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
+         describe(dk, c.block_n), describe(dv, c.block_n), lse, delta,
          scale, scale * _LOG2E, *lse_strides, heads_kv, group, seqlen_q, seqlen_k, num_n_blocks, *window,
          c.block_m, c.block_n, block_d, c.num_stages),
         num_warps=c.num_warps, num_stages=1, device_index=device_index)

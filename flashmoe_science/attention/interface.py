@@ -303,11 +303,10 @@ class _BackwardPlan:
                     and hopper.supports_backward(tensors[:5], head_dim))
         # Dense calls without softcap that take descriptors run the Gluon kernels where
         # `configs.GLUON_BACKWARD` has them (they compute their own grids from the config).
-        gluon_cfg = None if config is not None or packed or softcap or not self.tma else gluon_backward_config(
-            info_for(q), q.element_size(), head_dim)
-        if gluon_cfg is not None:
-            cfg = self.config = gluon_cfg
-        self.gluon = cfg.gluon and self.tma and not packed and softcap == 0 and self.dq_mode == DQ_MODES["kernel"]
+        gluon_ok = self.tma and not packed and not softcap and self.dq_mode == DQ_MODES["kernel"]
+        if gluon_ok and config is None:
+            cfg = self.config = gluon_backward_config(info_for(q), q.element_size(), head_dim) or cfg
+        self.gluon = cfg.gluon and gluon_ok
         self.window = window
 
 

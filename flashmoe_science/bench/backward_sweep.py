@@ -14,8 +14,8 @@ seconds); the causal flag does not recompile. With --window W the cases are caus
 calls of left window W instead (window_size=(W, 0)), written to attention_backward_sweep_windowW.
 With --dq-paths only the table's configuration and the candidates of those dQ paths run
 (`BackwardConfig.dq_path`), written to a file named after them (attention_backward_sweep_dq_tma).
-With --gluon the table's configuration and the Gluon kernels' candidates run (sm90, head dims up
-to 128), written to attention_backward_sweep_gluon.
+With --gluon the table's configuration and the Gluon kernels' candidates run (sm90, 16-bit),
+written to attention_backward_sweep_gluon.
 """
 from __future__ import annotations
 
