@@ -16,7 +16,7 @@ from flashmoe_science.attention.configs import (BACKWARD, AttentionConfig, Backw
 from flashmoe_science.attention.interface import attention_backward
 from flashmoe_science.attention.reference import causal_mask
 from flashmoe_science.device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS, DeviceInfo
-from flashmoe_science.launch import last_launch
+from flashmoe_science.launch import clear_records, last_launch
 from test_attention_forward import make_qkv, rel_error
 
 # Tiny blocks: many key and query blocks per program even at CPU sizes, so every loop of the
@@ -173,6 +173,31 @@ def test_lse_is_differentiable(device):
                                    (q, k, v), grad_lse)
     refs = reference_grads(q, k, v, torch.zeros_like(q), True, grad_lse=grad_lse)
     assert_grads_close(only_lse, refs, torch.float32)
+
+
+def test_launch_keys_fix_the_kernels_constexprs(device, monkeypatch):
+    """Launches are cached by key (`launch.KernelLauncher`), so a key must fix every constexpr:
+    the same backward with and without lse's gradient (the dQ kernel computes delta, or loads the
+    preprocess kernel's) launches each kernel with one set of constexprs per key."""
+    from flashmoe_science.launch import KernelLauncher
+
+    seen, launch = {}, KernelLauncher.launch
+
+    def checked(self, key, grid, args, **options):
+        if key is not None:
+            constexprs = self._constexprs_of(args)
+            assert seen.setdefault((self.op, key), constexprs) == constexprs, self.op
+        return launch(self, key, grid, args, **options)
+
+    monkeypatch.setattr(KernelLauncher, "launch", checked)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, 33, 48, 32, torch.float32, device))
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(1, 4, 33, device=device)
+    out, lse = flash_attention_science(q, k, v, causal=True, return_lse=True)
+    plain = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    both = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
+    assert any(op == "attention_backward_dq" for op, _ in seen)
+    assert_grads_close(plain, reference_grads(q, k, v, grad_out, True), torch.float32)
+    assert_grads_close(both, reference_grads(q, k, v, grad_out, True, grad_lse=grad_lse), torch.float32)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -630,7 +655,6 @@ def test_gpu_backward_dispatch_takes_the_gluon_kernels_where_measured_faster(D):
     """Large dense calls on sm90 take the Gluon kernels at the head dims of `GLUON_BACKWARD`
     (the Triton kernels elsewhere, and for softcapped calls), within twice PyTorch's error."""
     from flashmoe_science.attention.configs import GLUON_BACKWARD
-    from flashmoe_science.launch import clear_records
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for sm90")
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 8, 2, 2048, 2048, D, torch.bfloat16, "cuda", layout="bshd"))
@@ -643,6 +667,29 @@ def test_gpu_backward_dispatch_takes_the_gluon_kernels_where_measured_faster(D):
         assert (last_launch("attention_backward_dkdv") is None) is gluon
         if softcap == 0:
             assert_within_twice_pytorch(ours, q, k, v, grad_out, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [128, 256])
+def test_gpu_gluon_backward_with_a_differentiated_lse(D):
+    """When lse has a gradient too, delta comes from the preprocess kernel and the Gluon dQ kernel
+    loads it (DELTA_HERE off), also right after the same call without it: gradients of (out, lse)
+    within twice those of PyTorch's math in bf16, both against float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are for sm90")
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 8, 2, 2048, 2048, D, torch.bfloat16, "cuda", layout="bshd"))
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(2, 8, 2048, device="cuda")
+    out, lse = flash_attention_science(q, k, v, causal=True, return_lse=True)
+    torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)  # the same call without it first
+    clear_records()
+    ours = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
+    assert last_launch("attention_backward_dq_gluon").constexprs["DELTA_HERE"] is False
+    refs = reference_grads(q, k, v, grad_out, True, grad_lse=grad_lse)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    theirs = torch.autograd.grad(attention_reference(*leaves, causal=True, upcast=False), leaves, (grad_out, grad_lse))
+    for name, g, t, ref in zip(("dq", "dk", "dv"), ours, theirs, refs):
+        assert torch.isfinite(g).all(), name
+        assert rel_error(g, ref) <= 2 * rel_error(t, ref) + 5e-4, (name, rel_error(g, ref), rel_error(t, ref))
 
 
 @pytest.mark.gpu

@@ -357,8 +357,9 @@ PACKED_CAUSAL_BACKWARD = {
 # entry: D = 128 465 against 419 TFLOP/s (causal 425 against 375), one warpgroup on 64 x 64 tiles
 # for both kernels (two programs per SM); D = 256 412 against 225 (causal 386 against 219), the
 # dK/dV kernel's 64 keys split by columns between two warpgroups (no register spills, where the
-# Triton kernel spilled 256 bytes) and a one-warpgroup dQ kernel. At D = 64 the Gluon candidates
-# tied the Triton kernels within 3% (an earlier version of the kernels, not committed), which stay.
+# Triton kernel spilled 256 bytes) and a one-warpgroup dQ kernel. At D = 64 the best of 35 Gluon
+# candidates ties the Triton kernels, which stay: 375 against 385 TFLOP/s, causal 355 against 347
+# (H100, benchmarks/results/attention_backward_sweep_gluon_d64.json).
 GLUON_BACKWARD = {128: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 2), tma=True,
                                       gluon=True),
                   256: BackwardConfig(AttentionConfig(64, 64, 8, 2), AttentionConfig(64, 64, 4, 2), tma=True,

@@ -365,6 +365,8 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     mode = plan.dq_mode
     # The dQ kernel computes delta itself unless it does not run or lse has a gradient to add.
     delta_here = mode == DQ_MODES["kernel"] and grad_lse is None
+    if key is not None:  # the dQ kernels specialise on delta_here, which the plan's key leaves open
+        key = (key, delta_here)
     if not delta_here:
         _BACKWARD_PREPROCESS.launch(key, plan.preprocess_grid,
                                     (out, grad_output, delta, *so, *sdo) + plan.preprocess_options,
