@@ -475,8 +475,11 @@ def _pytorch_grads(q, k, v, grad_out, causal):
 
 def assert_within_twice_pytorch(ours, q, k, v, grad_out, causal):
     """Our gradients finite, and their error against float64 within twice PyTorch's own."""
-    refs = reference_grads(q, k, v, grad_out, causal)
-    theirs = _pytorch_grads(q, k, v, grad_out, causal)
+    assert_within_twice(ours, _pytorch_grads(q, k, v, grad_out, causal), reference_grads(q, k, v, grad_out, causal))
+
+
+def assert_within_twice(ours, theirs, refs):
+    """Our gradients finite, and their error against float64 `refs` within twice that of `theirs`."""
     for name, g, t, ref in zip(("dq", "dk", "dv"), ours, theirs, refs):
         assert torch.isfinite(g).all(), name
         assert rel_error(g, ref) <= 2 * rel_error(t, ref) + 5e-4, (name, rel_error(g, ref), rel_error(t, ref))
@@ -684,12 +687,9 @@ def test_gpu_gluon_backward_with_a_differentiated_lse(D):
     clear_records()
     ours = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
     assert last_launch("attention_backward_dq_gluon").constexprs["DELTA_HERE"] is False
-    refs = reference_grads(q, k, v, grad_out, True, grad_lse=grad_lse)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     theirs = torch.autograd.grad(attention_reference(*leaves, causal=True, upcast=False), leaves, (grad_out, grad_lse))
-    for name, g, t, ref in zip(("dq", "dk", "dv"), ours, theirs, refs):
-        assert torch.isfinite(g).all(), name
-        assert rel_error(g, ref) <= 2 * rel_error(t, ref) + 5e-4, (name, rel_error(g, ref), rel_error(t, ref))
+    assert_within_twice(ours, theirs, reference_grads(q, k, v, grad_out, True, grad_lse=grad_lse))
 
 
 @pytest.mark.gpu
