@@ -3,7 +3,7 @@
 # written under $OUT and packed into one archive (the device tool returns at most 8 files).
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
-#   stages: env tests sweep hopper-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
+#   stages: env tests sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window moe moe-fwd+bwd moe-train moe-sweep moe-bwd-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
@@ -32,6 +32,7 @@ for stage in "${stages[@]}"; do
         --junitxml="$RESULTS/gpu_tests.xml" $TESTS 2>&1 | tail -n 40 | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
     sweep) bench attention --sweep --seqlens 4096 --no-plot ;;
     hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
+    gluon-sweep) bench attention --sweep-hopper --sweep-gluon --seqlens 2048,4096,16384 --no-plot ;;
     backward-sweep)
       python3 -m flashmoe_science.bench.backward_sweep --head-dims "${HEAD_DIMS:-128}" --seqlens 4096 \
         ${DQ_PATHS:+--dq-paths "$DQ_PATHS"} ${GLUON:+--gluon} --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;

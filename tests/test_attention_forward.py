@@ -305,19 +305,23 @@ def test_default_scale_is_inverse_sqrt_head_dim(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,causal,scale", [(128, False, None), (128, True, None), (256, True, None),
                                             (80, True, None), (64, False, None), (64, True, None), (48, True, None),
-                                            (128, True, -0.09)])
+                                            (128, True, -0.09), (64, False, -0.2)])
 def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
-    """Large 16-bit calls on sm90 take the TMA kernel; head dims below the tile (80 in a 128
-    tile, 48 in 64) rely on the descriptor's zero fill and clipped store; a negative scale runs
-    on a negated q."""
+    """Large 16-bit calls on sm90 take the TMA kernels: the Gluon kernel at padded head dims 128
+    and 256, and at 64 on unmasked calls with at least `GLUON_FORWARD_MIN_KEYS` keys; the Triton
+    one otherwise. Head dims below the tile (80 in a 128 tile, 48 in 64) rely on the descriptor's
+    zero fill and clipped store; a negative scale runs on a negated q."""
     from flashmoe_science.launch import clear_records, last_launch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path is for sm90")
+    from flashmoe_science.attention.configs import GLUON_FORWARD_MIN_KEYS
     seqlen = 1500 if D > 64 else 3000  # above the FLOPs the Hopper path starts at
-    q, k, v = make_qkv(2, 16, 4, seqlen, seqlen, D, torch.bfloat16, "cuda", layout="bshd")
+    seqlen_k = GLUON_FORWARD_MIN_KEYS if scale == -0.2 else seqlen
+    q, k, v = make_qkv(2, 16, 4, seqlen, seqlen_k, D, torch.bfloat16, "cuda", layout="bshd")
     clear_records()
     out = flash_attention_science(q, k, v, causal=causal, softmax_scale=scale)
-    ran = "attention_forward_gluon" if D > 128 else "attention_forward_hopper"
+    gluon = D > 64 or (not causal and seqlen_k >= GLUON_FORWARD_MIN_KEYS)
+    ran = "attention_forward_gluon" if gluon else "attention_forward_hopper"
     assert last_launch(ran) is not None and last_launch("attention_forward") is None
     ref, _ = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
     assert rel_error(out, ref) <= 2 * _sdpa_error(q, k, v, causal, ref, scale) + 1e-4
@@ -330,11 +334,16 @@ def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
     (256, 8, 8, 700, 4000, True, (-1, -1)),     # causal, Sq < Sk: the band starts mid-keys
     (200, 8, 1, 4000, 1000, True, (-1, -1)),    # MQA, Sq > Sk: rows before Sq - Sk see no key; D padded
     (256, 8, 4, 3000, 3000, False, (300, 45)),  # a sliding window: masked blocks on both edges
+    (128, 8, 2, 2500, 2500, False, (-1, -1)),   # two consumers, the second's rows partly past the end
+    (96, 16, 16, 1000, 4000, True, (-1, -1)),   # D padded to 128, causal with Sq < Sk
+    (128, 16, 1, 4000, 1000, True, (-1, -1)),   # MQA, Sq > Sk: whole consumers see no key
+    (128, 8, 4, 3000, 3000, True, (500, 0)),    # a causal sliding window
+    (64, 16, 2, 1100, 5000, False, (-1, -1)),   # three consumers (unmasked, many keys), Sq not a tile multiple
 ])
 def test_gpu_gluon_forward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window, dtype):
-    """The Gluon kernel (sm90, D = 256 tiles; every shape above the FLOPs the Hopper path starts
-    at): outputs and lse against float64, rows that see no key zero with lse -inf, and a second
-    call with new data on the cached launch."""
+    """The Gluon kernel (sm90; every shape above the FLOPs the Hopper path starts at): outputs and
+    lse against float64, rows that see no key zero with lse -inf, and a second call with new data
+    on the cached launch."""
     from flashmoe_science.launch import clear_records, last_launch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm90")

@@ -48,3 +48,26 @@ def test_dispatcher_only_picks_shipped_forward_configs(capability):
                         cfg = forward_config(device, element_size, head_dim, seqlen_q, batch_heads, packed)
                         block_d = max(16, 1 << (head_dim - 1).bit_length())
                         assert (element_size, block_d, cfg) in shipped
+
+
+def test_hopper_forward_dispatch_picks_gluon_where_it_was_measured_faster():
+    """sm90, 16-bit, above HOPPER_MIN_FLOPS: the Gluon kernel at padded head dims 128 and 256 unless
+    softcapped; at 64 only on unmasked calls with at least GLUON_FORWARD_MIN_KEYS keys; the Triton
+    TMA kernel otherwise; the generic kernel off sm90, for fp32 and for small calls."""
+    from flashmoe_science.attention.configs import (GLUON_FORWARD, GLUON_FORWARD_MIN_KEYS, GLUON_FORWARD_UNMASKED,
+                                                    HOPPER_FORWARD, HOPPER_MIN_FLOPS, hopper_forward_config)
+    sm90 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
+    big = 2 * HOPPER_MIN_FLOPS
+    many = GLUON_FORWARD_MIN_KEYS
+    assert hopper_forward_config(sm90, 2, 128, big, masked=True, seqlen_k=1024) == (True, GLUON_FORWARD[128])
+    assert hopper_forward_config(sm90, 2, 200, big, masked=False, seqlen_k=1024) == (True, GLUON_FORWARD[256])
+    assert hopper_forward_config(sm90, 2, 128, big, softcap=True, seqlen_k=many) == (False, HOPPER_FORWARD[128])
+    assert hopper_forward_config(sm90, 2, 64, big, masked=False, seqlen_k=many) == (True, GLUON_FORWARD_UNMASKED[64])
+    assert hopper_forward_config(sm90, 2, 48, big, masked=False, seqlen_k=many - 1) == (False, HOPPER_FORWARD[64])
+    assert hopper_forward_config(sm90, 2, 64, big, masked=True, seqlen_k=4 * many) == (False, HOPPER_FORWARD[64])
+    assert hopper_forward_config(sm90, 2, 64, big, softcap=True, masked=False, seqlen_k=many) == (False,
+                                                                                                HOPPER_FORWARD[64])
+    assert hopper_forward_config(sm90, 2, 128, HOPPER_MIN_FLOPS / 2, masked=False, seqlen_k=many) is None
+    assert hopper_forward_config(sm90, 4, 128, big, masked=False, seqlen_k=many) is None
+    sm80 = DeviceInfo("probe", 80, 108, SHARED_MEMORY_PER_BLOCK[80], 0)
+    assert hopper_forward_config(sm80, 2, 128, big, masked=False, seqlen_k=many) is None

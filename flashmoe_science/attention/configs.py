@@ -106,31 +106,41 @@ del C
 # at eight, so WARP_SPECIALIZE stays off.
 HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 64, 4, 3),
                   256: AttentionConfig(128, 64, 8, 2)}
-# The Gluon forward (`_kernels/forward_gluon.py`: asynchronous wgmma, the softmax of one key block
+# The Gluon forward (`_kernels/forward_gluon.py`: warp-specialised, a producer warp and two or
+# three consumer warpgroups of 64 query rows sharing each K/V tile, the softmax of one key block
 # overlapping the P V product of the one before) replaces the Triton kernel above where it was
-# measured faster: D = 256, two warpgroups on 128 x 64 tiles (one program per SM, 192 KB of
-# shared memory), 23-31% over the best Triton candidate at S = 4096 and 16384, causal and not, on
-# an H200 (attention_hopper_sweep.json: 637 against 488 TFLOP/s at S = 4096, 643 against 508
-# causal at S = 16384); on an H100 the benchmark's D = 256 forward went from 490 to 573 TFLOP/s at
-# S = 4096 (attention_fwd.json). At D = 64 and 128 its best candidates trailed the Triton kernel's by 1-8%,
-# which stays: without warp specialisation both warpgroups of a program run in step, as Triton's
-# barrier analysis puts a CTA barrier before each TMA copy, so one program's softmax does not
-# overlap another's S = Q K^T the way FlashAttention-3's ping-pong schedule has it. Softcapped
-# calls stay on the Triton kernel (the Gluon kernel has no softcap).
-GLUON_FORWARD = {256: AttentionConfig(128, 64, 8, 2)}
+# measured faster. H100, bf16, 16k tokens, Hq * D = 2048, S = 2048 / 4096 / 16384
+# (benchmarks/results/attention_hopper_sweep_gluon.json), TFLOP/s against the Triton entry above:
+# - D = 128, two consumers on 128 x 128 tiles: 623 / 639 / 654 against 537 / 568 / 579, causal
+#   473 / 531 / 662 against 448 / 489 / 496; three consumers on 192 x 64 tiles trail them by 5-15%.
+# - D = 256, 128 x 64 tiles: 662 / 716 / 718 against 456 / 486 / 500, causal 520 / 597 / 713
+#   against 373 / 428 / 532.
+# - D = 64, three consumers on 192 x 128 tiles: 450 / 485 / 506 against 432 / 456 / 444 without a
+#   mask, but causal 233 / 341 / 460 against 354 / 384 / 414: a 192-row tile wastes more of each
+#   diagonal block, and one program per SM leaves the uneven causal work unbalanced. So at D = 64
+#   only unmasked calls (no causal flag, no window) with at least GLUON_FORWARD_MIN_KEYS keys run
+#   it; the rest stay on the Triton kernel.
+# Softcapped calls stay on the Triton kernel (the Gluon kernel has no softcap).
+GLUON_FORWARD = {128: AttentionConfig(128, 128, 4, 2), 256: AttentionConfig(128, 64, 4, 2)}
+GLUON_FORWARD_UNMASKED = {64: AttentionConfig(192, 128, 4, 2)}
+GLUON_FORWARD_MIN_KEYS = 4096
 # Below this many FLOPs the generic kernel runs: building four tensor descriptors costs host time
 # that a short kernel cannot hide.
 HOPPER_MIN_FLOPS = 2e10
 
 
-def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, flops: float, softcap: bool = False):
+def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, flops: float, softcap: bool = False,
+                          masked: bool = True, seqlen_k: int = 0):
     """The Hopper forward for a dense call: (gluon, config), whether the Gluon kernel runs and its
-    configuration, or None where the generic kernel runs."""
+    configuration, or None where the generic kernel runs. `masked`: the call is causal or has a
+    window."""
     if device.capability != 90 or device.arch_family != 90 or element_size != 2 or flops < HOPPER_MIN_FLOPS:
         return None
     block_d = head_dim_block(head_dim)
     if not softcap and block_d in GLUON_FORWARD:
         return True, GLUON_FORWARD[block_d]
+    if not softcap and not masked and seqlen_k >= GLUON_FORWARD_MIN_KEYS and block_d in GLUON_FORWARD_UNMASKED:
+        return True, GLUON_FORWARD_UNMASKED[block_d]
     cfg = HOPPER_FORWARD.get(block_d)
     return None if cfg is None else (False, cfg)
 
@@ -224,16 +234,17 @@ def _gluon_builds():
     from ..target_compile import KernelBuild
     from ._kernels.forward_gluon import attention_forward_gluon_kernel
 
-    for block_d, cfg in GLUON_FORWARD.items():
+    for block_d, cfg in (*GLUON_FORWARD.items(), *GLUON_FORWARD_UNMASKED.items()):
+        rows = 16 * cfg.num_warps
         for causal, (name, dtype) in ((False, ("fp16", gl.float16)), (True, ("bf16", gl.bfloat16))):
             sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}
-            for arg, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
-                              ("desc_o", cfg.block_m)):
-                layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], dtype)
-                sig[arg] = f"tensordesc<{name}[1,1,{rows},{block_d}],{layout!r}>"
+            for arg, tile_rows in (("desc_q", rows), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
+                                   ("desc_o", rows)):
+                layout = gl.NVMMASharedLayout.get_default_for([1, 1, tile_rows, block_d], dtype)
+                sig[arg] = f"tensordesc<{name}[1,1,{tile_rows},{block_d}],{layout!r}>"
             sig.update(LSE="*fp32", scale_log2="fp32")
-            constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
-                              CAUSAL=causal, WRITE_LSE=True)
+            constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
+                              CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=cfg.block_m // rows)
             sig.update({n: "constexpr" for n in constexprs})
             yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} {cfg}",
                               fn=attention_forward_gluon_kernel, signature=sig, constexprs=constexprs,

@@ -145,19 +145,21 @@ def _gluon_descriptor(t: torch.Tensor, rows: int, block_d: int):
 
 
 def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, device_index=None, key=None) -> None:
-    """As `launch`, through the Gluon kernel (`_kernels/forward_gluon.py`): no softcap; config.block_m
-    is 16 rows per warp."""
+    """As `launch`, through the Gluon kernel (`_kernels/forward_gluon.py`): no softcap;
+    config.block_m query rows per program, 16 per warp of its four-warp consumers (config.num_warps
+    is a consumer's), so block_m = 128 runs two consumers and 192 three."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     block_d = head_dim_block(head_dim)
+    rows = 16 * config.num_warps
     num_m_blocks = -(-seqlen_q // config.block_m)
     _GLUON.launch(
         key, (num_m_blocks * batch * heads_q, 1, 1),
-        (_gluon_descriptor(q, config.block_m, block_d), _gluon_descriptor(k, config.block_n, block_d),
-         _gluon_descriptor(v, config.block_n, block_d), _gluon_descriptor(out, config.block_m, block_d),
+        (_gluon_descriptor(q, rows, block_d), _gluon_descriptor(k, config.block_n, block_d),
+         _gluon_descriptor(v, config.block_n, block_d), _gluon_descriptor(out, rows, block_d),
          out if lse is None else lse, scale * _LOG2E, heads_q * seqlen_q, seqlen_q,
          heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
-         config.block_m, config.block_n, block_d, config.num_stages, causal, lse is not None),
-        num_warps=config.num_warps, num_stages=1, device_index=device_index)
+         rows, config.block_n, block_d, config.num_stages, causal, lse is not None, config.block_m // rows),
+        num_warps=4, num_stages=1, device_index=device_index)
 
 
 def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, scale, config, window, *, delta_here,

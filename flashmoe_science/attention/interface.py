@@ -95,7 +95,9 @@ class _ForwardPlan:
         flops = 4.0 * batch * heads_q * seqlen_q * seqlen_k * head_dim
         self.hopper = None
         if config is None and not packed and not self.contiguous and q.is_cuda:
-            hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops, softcap > 0)
+            masked = causal or any(w >= 0 for w in window_size)
+            hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops, softcap > 0, masked,
+                                               seqlen_k)
             if hopper_cfg is not None and hopper.supports(q, k, v):
                 self.hopper = hopper_cfg
 

@@ -9,8 +9,10 @@ Sections (rows carry a "section" column):
 - memory (modes with a backward): peak memory of forward+backward, ours against SDPA's math backend.
 - train: forward+backward of a small transformer block on our attention against SDPA's default.
 - sweep (with --sweep): every candidate forward configuration on the throughput shapes; with
-  --sweep-hopper the Hopper TMA kernel's candidates against the generic kernel. With --window W
-  both time causal sliding-window calls of left window W instead (attention_sweep_windowW).
+  --sweep-hopper the Hopper TMA kernel's candidates against the generic kernel, and with
+  --sweep-gluon only the shipped Hopper configuration and the Gluon kernel's candidates
+  (attention_hopper_sweep_gluon). With --window W both time causal sliding-window calls of left
+  window W instead (attention_sweep_windowW).
 - varlen (only when listed in --sections): a packed batch of about 16k tokens whose lengths are
   drawn uniformly from 64 to 2048 (fixed seed), D = 128, Hq*D = 2048, bf16, causal and not: ours
   against SDPA on the zero-padded batch with a key-padding mask and against compiled
@@ -24,14 +26,14 @@ through the interpreter at a tiny size, without FlexAttention.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..attention import attention_reference, flash_attention_science, flash_attention_varlen
-from ..attention.configs import forward_config
+from ..attention.configs import HOPPER_FORWARD, forward_config
 from ..device import info_for, interpreter_active
 from .common import (Timing, attention_flops, attention_pairs, max_abs_error, rel_error, speedup_interval,
                      time_gpu, time_wall)
@@ -55,6 +57,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate forward config instead")
     parser.add_argument("--sweep-hopper", action="store_true",
                         help="time the Hopper TMA forward kernel's candidates against the generic kernel instead")
+    parser.add_argument("--sweep-gluon", action="store_true",
+                        help="with --sweep-hopper: of the Hopper kernels, time only the Triton kernel's shipped "
+                             "configuration and the Gluon kernel's candidates")
     parser.add_argument("--window", type=int, default=None,
                         help="with --sweep or --sweep-hopper: time causal sliding-window calls of this left window "
                              "(window_size=(W, 0)) instead of plain and causal ones")
@@ -625,12 +630,12 @@ HOPPER_CANDIDATES = {64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 3
                      128: [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 128, 4, 2),
                            (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
                      256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]}
-# The Gluon kernel's candidates (16 rows per warp): one warpgroup per program with two or three
-# programs per SM, or two warpgroups sharing the K/V tiles; the shared memory of Q plus K and V per
-# stage bounds the rest.
-GLUON_CANDIDATES = {64: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
-                    128: [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
-                    256: [(128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 32, 8, 3)]}
+# The Gluon kernel's candidates: (rows per program, BLOCK_N, stages), 64 rows per consumer
+# warpgroup (two or three); Q plus K and V per stage fill at most 227 KB, and three consumers get
+# 160 registers a thread against two's 240.
+GLUON_CANDIDATES = {64: [(128, 128, 2), (128, 128, 3), (192, 128, 2), (192, 128, 3), (192, 64, 3), (192, 64, 4)],
+                    128: [(128, 128, 2), (128, 64, 3), (192, 64, 2), (192, 64, 3)],
+                    256: [(128, 64, 2), (128, 32, 3)]}
 
 
 def _hopper_sweep(args, device):
@@ -668,16 +673,20 @@ def _hopper_sweep(args, device):
                            rel_err_vs_generic=rel_error(out, generic))
             return row
 
-        for (bm, bn, warps, stages), ws in itertools.product(HOPPER_CANDIDATES.get(head_dim, []), (False, True)):
+        triton_candidates = HOPPER_CANDIDATES.get(head_dim, [])
+        if args.sweep_gluon:
+            shipped = HOPPER_FORWARD.get(head_dim)
+            triton_candidates = [] if shipped is None else [astuple(shipped)]
+        for (bm, bn, warps, stages), ws in itertools.product(triton_candidates, (False, True)):
             if ws and warps < 8:
                 continue
             cfg = AttentionConfig(bm, bn, warps, stages)
             rows.append(timed(f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}",
                               lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws,
                                                                       window_size=window)))
-        for bm, bn, warps, stages in GLUON_CANDIDATES.get(head_dim, []):
-            cfg = AttentionConfig(bm, bn, warps, stages)
-            rows.append(timed(f"gluon {bm}x{bn} w{warps} s{stages}",
+        for bm, bn, stages in GLUON_CANDIDATES.get(head_dim, []):
+            cfg = AttentionConfig(bm, bn, 4, stages)
+            rows.append(timed(f"gluon {bm}x{bn} s{stages}",
                               lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, gluon=True,
                                                                       window_size=window)))
     return rows
@@ -690,7 +699,8 @@ def run(args) -> dict:
     if args.sweep:
         return {"name": f"attention_sweep{suffix}", "rows": _sweep(args, device), "meta": meta}
     if args.sweep_hopper:
-        return {"name": f"attention_hopper_sweep{suffix}", "rows": _hopper_sweep(args, device), "meta": meta}
+        name = f"attention_hopper_sweep{'_gluon' if args.sweep_gluon else ''}{suffix}"
+        return {"name": name, "rows": _hopper_sweep(args, device), "meta": meta}
     default = ["overhead", "small", "throughput"] if args.mode == "fwd" else ["throughput", "memory", "train"]
     sections = args.sections.split(",") if args.sections else default
     mode = args.mode.replace("+", "_")

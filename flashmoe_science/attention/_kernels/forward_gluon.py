@@ -1,20 +1,27 @@
-"""Attention forward for Hopper (sm90) in Gluon: FlashAttention-3's intra-warpgroup pipeline.
+"""Attention forward for Hopper (sm90) in Gluon: FlashAttention-3's warp specialisation and
+intra-warpgroup pipeline.
 
 Triton 3.6 waits on each `tl.dot` wgmma right after issuing it, so in the Triton kernels the
 exponentials of one key block never run while the tensor cores work. Gluon, Triton's lower-level
-dialect, exposes the asynchronous wgmma and its wait, so this kernel places them as
-FlashAttention-3 does (Shah et al. 2024, algorithm 2). Iteration j issues S_j = Q K_j^T, then
-O += P_{j-1} V_{j-1}, waits for S_j alone, and computes the softmax of S_j while the P V product
-is still running on the tensor cores; only then does it wait for O and rescale it.
+dialect, exposes the asynchronous wgmma and its wait, and splits a program's warps into
+partitions that run different code (Shah et al. 2024, FlashAttention-3):
 
-One program is one warpgroup (4 warps) holding BLOCK_M = 64 query rows: every wgmma it issues
-reads shared memory that only it refills, so no barrier couples it to another warpgroup, and
-two or three programs per SM fill each other's gaps. K and V tiles arrive by TMA into
-NUM_STAGES buffers, each with its own mbarrier, refilled as soon as the products reading them
-are done. Q, K, V and O are addressed through 4-D (batch, head, seq, head_dim) descriptors with
-the caller's strides; loads past the end are zero-filled and stores past it dropped, so only
-scores on the band's edges are masked, exactly as in `forward.py` (whose module docstring
-describes the band and the base-2 online softmax).
+- A producer warp issues every TMA copy: Q once, then K and V tiles into NUM_STAGES buffers,
+  each with a `ready` mbarrier (the copy has landed) and an `empty` one (every consumer is done
+  with it). It runs ahead of the consumers by as many buffers as there are.
+- Two or three consumer warpgroups hold BLOCK_M = 64 query rows each and share every K and V
+  tile, so each tile is loaded once for all their rows. Each runs algorithm 2 of the paper:
+  iteration j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, waits for S_j alone and computes
+  its softmax while the P V product is still running on the tensor cores; only then does it
+  wait for O and rescale it. The consumers are not synchronised with each other: while one
+  computes exponentials, another's products occupy the tensor cores.
+- The producer's warpgroup gives its registers to the consumers (`setmaxnreg`): 240 a thread
+  each for two consumers, 160 for three.
+
+Q, K, V and O are addressed through 4-D (batch, head, seq, head_dim) descriptors with the
+caller's strides; loads past the end are zero-filled and stores past it dropped, so only scores
+on the band's edges are masked, exactly as in `forward.py` (whose module docstring describes the
+band and the base-2 online softmax).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -56,20 +63,44 @@ def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqle
 
 
 @gluon.jit
-def _load_tile(desc, smem, bars, stage, b, h_kv, start_n, pred):
-    """TMA copy of the K or V tile starting at key start_n into buffer `stage` (if pred)."""
-    mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [b, h_kv, start_n, 0], bars.index(stage), smem.index(stage), pred=pred)
+def _load_tile(desc, smem, bars, stage, b, h_kv, start_n):
+    """TMA copy of the K or V tile starting at key start_n into buffer `stage`."""
+    mbarrier.expect(bars.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [b, h_kv, start_n, 0], bars.index(stage), smem.index(stage))
 
 
 @gluon.jit
-def attention_forward_gluon_kernel(
-    desc_q, desc_k, desc_v, desc_o, LSE,
-    scale_log2, stride_lb, stride_lh,
-    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-):
+def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                 num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 NUM_CONSUMERS: gl.constexpr):
+    b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
+    tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
+    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
+    lo, _, _, hi = band_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+    num_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.expect(q_bars.index(c), desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [b, h, tile_row + c * BLOCK_M, 0], q_bars.index(c), q_smem.index(c))
+    for j in range(num_blocks):
+        stage = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        start_n = lo + j * BLOCK_N
+        # A fresh mbarrier counts as having completed the phase before 0: the first pass is free.
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        _load_tile(desc_k, k_smem, k_ready, stage, b, h_kv, start_n)
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        _load_tile(desc_v, v_smem, v_ready, stage, b, h_kv, start_n)
+
+
+@gluon.jit
+def _consumer(desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                 scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
+                 window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                 NUM_CONSUMERS: gl.constexpr):
+    """Consumer C of the program: query rows [C * BLOCK_M, (C + 1) * BLOCK_M) of its tile. It
+    releases each K and V buffer as soon as its own product has read it."""
     gl.static_assert(BLOCK_M == 16 * gl.num_warps(), "each warp holds 16 query rows")
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -79,31 +110,17 @@ def attention_forward_gluon_kernel(
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = desc_q.dtype
+    dtype: gl.constexpr = desc_o.dtype
 
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
-    first_row = pid_m * BLOCK_M
-    # [lo, hi): the keys this query block meets; the blocks in [full_lo, full_hi) need no mask.
+    tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
+    first_row = tile_row + C * BLOCK_M
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
-    lo, full_lo, full_hi, hi = band_blocks(first_row, seqlen_q, seqlen_k, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
+    # Every consumer walks all the tile's key blocks (they share the buffers); its own rows decide
+    # which of them need no mask. Blocks outside its band come out fully masked: p = 0.
+    lo, _, _, hi = band_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+    _, full_lo, full_hi, _ = band_blocks(first_row, seqlen_q, seqlen_k, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
     num_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-
-    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_v.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-
-    mbarrier.expect(q_bar, desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [b, h, first_row, 0], q_bar, q_smem)
-    for i in gl.static_range(NUM_STAGES):
-        _load_tile(desc_k, k_smem, k_bars, i, b, h_kv, lo + i * BLOCK_N, i < num_blocks)
-        _load_tile(desc_v, v_smem, v_bars, i, b, h_kv, lo + i * BLOCK_N, i < num_blocks)
 
     offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
     offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
@@ -112,16 +129,15 @@ def attention_forward_gluon_kernel(
     acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
     s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
-    q = q_smem.reshape([BLOCK_M, BLOCK_D])
-    mbarrier.wait(q_bar, 0)
+    q = q_smem.index(C).reshape([BLOCK_M, BLOCK_D])
+    mbarrier.wait(q_bars.index(C), 0)
 
-    # Block 0: S_0 and its softmax, with nothing to overlap.
     if num_blocks > 0:
-        mbarrier.wait(k_bars.index(0), 0)
+        mbarrier.wait(k_ready.index(0), 0)
         s_tok = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        _load_tile(desc_k, k_smem, k_bars, 0, b, h_kv, lo + NUM_STAGES * BLOCK_N, NUM_STAGES < num_blocks)
+        mbarrier.arrive(k_empty.index(0), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo, full_lo, full_hi, seqlen_k, diag_lo,
                                               diag_hi, scale_log2)
         p = gl.convert_layout(p32.to(dtype), p_layout)
@@ -130,43 +146,99 @@ def attention_forward_gluon_kernel(
         stage = j % NUM_STAGES
         prev = (j - 1) % NUM_STAGES
         start_n = lo + j * BLOCK_N
-        mbarrier.wait(k_bars.index(stage), (j // NUM_STAGES) & 1)
+        mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
         s_tok = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
                               use_acc=False, is_async=True)
-        mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
         o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-        # S_j is done when at most the P V product is in flight: its softmax overlaps that product.
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        # K_j is consumed: refill its buffer NUM_STAGES blocks ahead (Triton's membar analysis puts
-        # a CTA barrier before each copy, after every warp has passed its own wgmma wait).
-        _load_tile(desc_k, k_smem, k_bars, stage, b, h_kv, start_n + NUM_STAGES * BLOCK_N, j + NUM_STAGES < num_blocks)
+        mbarrier.arrive(k_empty.index(stage), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k,
                                               diag_lo, diag_hi, scale_log2)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-        _load_tile(desc_v, v_smem, v_bars, prev, b, h_kv, start_n + (NUM_STAGES - 1) * BLOCK_N,
-                   j - 1 + NUM_STAGES < num_blocks)
+        mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
     if num_blocks > 0:
         last = (num_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_bars.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
         o_tok = warpgroup_mma(p, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        mbarrier.arrive(v_empty.index(last), count=1)
 
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
-    # Rows that saw no key have l = 0: output 0 and lse -inf (`forward.finish`).
     l_o = gl.convert_layout(l_i, rows_o)
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    q_smem.reshape([BLOCK_M, BLOCK_D]).store(out.to(dtype))
+    q_smem.index(C).reshape([BLOCK_M, BLOCK_D]).store(out.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc_o, [b, h, first_row, 0], q_smem)
+    tma.async_copy_shared_to_global(desc_o, [b, h, first_row, 0], q_smem.index(C))
     if WRITE_LSE:
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         lse_ptrs = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_m
         gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
     tma.store_wait(0)
+
+
+@gluon.jit
+def attention_forward_gluon_kernel(
+    desc_q, desc_k, desc_v, desc_o, LSE,
+    scale_log2, stride_lb, stride_lh,
+    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+):
+    """num_warps = 4 (the first consumer), NUM_CONSUMERS - 1 more four-warp consumers and a one-warp
+    producer; NUM_CONSUMERS * BLOCK_M query rows per program, one program per SM. The warpgroups
+    share the register file: the producer's drops to 24 registers a thread and the consumers
+    split the rest (240 each for two, 160 each for three)."""
+    gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_v.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_bars.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # every consumer releases each buffer
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+
+    # Partition arguments are spelled out: a tuple built with + loses its constexprs.
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                            num_m_blocks, window_left, window_right, 0, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                            num_m_blocks, window_left, window_right, 1, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left,
+                            window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                            num_m_blocks, window_left, window_right, 0, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                            num_m_blocks, window_left, window_right, 1, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
+                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                            num_m_blocks, window_left, window_right, 2, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
+                            v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left,
+                            window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)),
+        ], [4, 4, 1], [160, 160, 24])
