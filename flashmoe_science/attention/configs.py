@@ -124,6 +124,15 @@ HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 6
 GLUON_FORWARD = {128: AttentionConfig(128, 128, 4, 2), 256: AttentionConfig(128, 64, 4, 2)}
 GLUON_FORWARD_UNMASKED = {64: AttentionConfig(192, 128, 4, 2)}
 GLUON_FORWARD_MIN_KEYS = 4096
+
+
+def gluon_forward_tiles(config: AttentionConfig) -> tuple[int, int]:
+    """The Gluon forward's (query rows per consumer, consumers) for `config`: 16 rows per warp of a
+    four-warp consumer (config.num_warps), config.block_m rows per program."""
+    rows = 16 * config.num_warps
+    return rows, config.block_m // rows
+
+
 # Below this many FLOPs the generic kernel runs: building four tensor descriptors costs host time
 # that a short kernel cannot hide.
 HOPPER_MIN_FLOPS = 2e10
@@ -235,7 +244,7 @@ def _gluon_builds():
     from ._kernels.forward_gluon import attention_forward_gluon_kernel
 
     for block_d, cfg in (*GLUON_FORWARD.items(), *GLUON_FORWARD_UNMASKED.items()):
-        rows = 16 * cfg.num_warps
+        rows, consumers = gluon_forward_tiles(cfg)
         for causal, (name, dtype) in ((False, ("fp16", gl.float16)), (True, ("bf16", gl.bfloat16))):
             sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}
             for arg, tile_rows in (("desc_q", rows), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
@@ -244,7 +253,7 @@ def _gluon_builds():
                 sig[arg] = f"tensordesc<{name}[1,1,{tile_rows},{block_d}],{layout!r}>"
             sig.update(LSE="*fp32", scale_log2="fp32")
             constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
-                              CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=cfg.block_m // rows)
+                              CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers)
             sig.update({n: "constexpr" for n in constexprs})
             yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} {cfg}",
                               fn=attention_forward_gluon_kernel, signature=sig, constexprs=constexprs,

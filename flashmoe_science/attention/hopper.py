@@ -21,7 +21,7 @@ from ..launch import KernelLauncher
 from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 from ._kernels.forward_gluon import attention_forward_gluon_kernel
 from ._kernels.forward_hopper import attention_forward_hopper_kernel
-from .configs import head_dim_block
+from .configs import gluon_forward_tiles, head_dim_block
 
 _LOG2E = 1.4426950408889634
 _HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_kernel)
@@ -150,7 +150,7 @@ def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, device_ind
     is a consumer's), so block_m = 128 runs two consumers and 192 three."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     block_d = head_dim_block(head_dim)
-    rows = 16 * config.num_warps
+    rows, consumers = gluon_forward_tiles(config)
     num_m_blocks = -(-seqlen_q // config.block_m)
     _GLUON.launch(
         key, (num_m_blocks * batch * heads_q, 1, 1),
@@ -158,7 +158,7 @@ def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, device_ind
          _gluon_descriptor(v, config.block_n, block_d), _gluon_descriptor(out, rows, block_d),
          out if lse is None else lse, scale * _LOG2E, heads_q * seqlen_q, seqlen_q,
          heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
-         rows, config.block_n, block_d, config.num_stages, causal, lse is not None, config.block_m // rows),
+         rows, config.block_n, block_d, config.num_stages, causal, lse is not None, consumers),
         num_warps=4, num_stages=1, device_index=device_index)
 
 

@@ -71,9 +71,9 @@ def _load_tile(desc, smem, bars, stage, b, h_kv, start_n):
 
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 NUM_CONSUMERS: gl.constexpr):
+              num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr):
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
     tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
@@ -95,10 +95,10 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k
 
 @gluon.jit
 def _consumer(desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                 scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
-                 window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-                 NUM_CONSUMERS: gl.constexpr):
+              scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
+              window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr):
     """Consumer C of the program: query rows [C * BLOCK_M, (C + 1) * BLOCK_M) of its tile. It
     releases each K and V buffer as soon as its own product has read it."""
     gl.static_assert(BLOCK_M == 16 * gl.num_warps(), "each warp holds 16 query rows")
@@ -132,6 +132,7 @@ def _consumer(desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_r
     q = q_smem.index(C).reshape([BLOCK_M, BLOCK_D])
     mbarrier.wait(q_bars.index(C), 0)
 
+    # Block 0: S_0 and its softmax, with nothing to overlap.
     if num_blocks > 0:
         mbarrier.wait(k_ready.index(0), 0)
         s_tok = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
@@ -151,6 +152,7 @@ def _consumer(desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_r
                               use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
         o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        # S_j is done when at most the P V product is in flight: its softmax overlaps that product.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k,
@@ -167,6 +169,7 @@ def _consumer(desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_r
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         mbarrier.arrive(v_empty.index(last), count=1)
 
+    # Rows that saw no key have l = 0: output 0 and lse -inf (`forward.finish`).
     l_o = gl.convert_layout(l_i, rows_o)
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     q_smem.index(C).reshape([BLOCK_M, BLOCK_D]).store(out.to(dtype))
@@ -213,32 +216,32 @@ def attention_forward_gluon_kernel(
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                            num_m_blocks, window_left, window_right, 0, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, window_left, window_right, 0, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
             (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                            num_m_blocks, window_left, window_right, 1, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, window_left, window_right, 1, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                            v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left,
-                            window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)),
+                         v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left,
+                         window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
             (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                            num_m_blocks, window_left, window_right, 0, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, window_left, window_right, 0, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
             (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                            num_m_blocks, window_left, window_right, 1, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, window_left, window_right, 1, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
             (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                            scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                            num_m_blocks, window_left, window_right, 2, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                            CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
+                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, window_left, window_right, 2, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                            v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left,
-                            window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)),
+                         v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left,
+                         window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)),
         ], [4, 4, 1], [160, 160, 24])
