@@ -32,7 +32,7 @@ for stage in "${stages[@]}"; do
         --junitxml="$RESULTS/gpu_tests.xml" $TESTS 2>&1 | tail -n 40 | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
     sweep) bench attention --sweep --seqlens 4096 --no-plot ;;
     hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
-    gluon-sweep) bench attention --sweep-hopper --sweep-gluon --seqlens 2048,4096,16384 --no-plot ;;
+    gluon-sweep) bench attention --sweep-hopper --sweep-gluon --seqlens "${SEQLENS:-2048,4096,16384}" --no-plot ;;
     backward-sweep)
       python3 -m flashmoe_science.bench.backward_sweep --head-dims "${HEAD_DIMS:-128}" --seqlens 4096 \
         ${DQ_PATHS:+--dq-paths "$DQ_PATHS"} ${GLUON:+--gluon} --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;

@@ -10,6 +10,7 @@ import torch
 
 from flashmoe_science import flash_attention_forward, flash_attention_science
 from flashmoe_science.attention import attention_reference
+from flashmoe_science.attention.configs import head_dim_block
 
 CPU_DTYPES = [torch.float32, torch.float16]
 
@@ -307,20 +308,21 @@ def test_default_scale_is_inverse_sqrt_head_dim(device):
                                             (80, True, None), (64, False, None), (64, True, None), (48, True, None),
                                             (128, True, -0.09), (64, False, -0.2)])
 def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
-    """Large 16-bit calls on sm90 take the TMA kernels: the Gluon kernel at padded head dims 128
-    and 256, and at 64 on unmasked calls with at least `GLUON_FORWARD_MIN_KEYS` keys; the Triton
-    one otherwise. Head dims below the tile (80 in a 128 tile, 48 in 64) rely on the descriptor's
-    zero fill and clipped store; a negative scale runs on a negated q."""
+    """Large 16-bit calls on sm90 take the TMA kernels: the Gluon kernel where `GLUON_FORWARD` says
+    (every padded head dim 128 and 256 call here, 64 unmasked), the Triton one otherwise. Head
+    dims below the tile (80 in a 128 tile, 48 in 64) rely on the descriptor's zero fill and clipped
+    store; a negative scale runs on a negated q."""
+    from flashmoe_science.attention.configs import gluon_forward_config
     from flashmoe_science.launch import clear_records, last_launch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path is for sm90")
-    from flashmoe_science.attention.configs import GLUON_FORWARD_MIN_KEYS
     seqlen = 1500 if D > 64 else 3000  # above the FLOPs the Hopper path starts at
-    seqlen_k = GLUON_FORWARD_MIN_KEYS if scale == -0.2 else seqlen
+    seqlen_k = 4096 if scale == -0.2 else seqlen
     q, k, v = make_qkv(2, 16, 4, seqlen, seqlen_k, D, torch.bfloat16, "cuda", layout="bshd")
     clear_records()
     out = flash_attention_science(q, k, v, causal=causal, softmax_scale=scale)
-    gluon = D > 64 or (not causal and seqlen_k >= GLUON_FORWARD_MIN_KEYS)
+    gluon = gluon_forward_config(head_dim_block(D), causal, seqlen_k) is not None
+    assert gluon is (D > 64 or not causal)
     ran = "attention_forward_gluon" if gluon else "attention_forward_hopper"
     assert last_launch(ran) is not None and last_launch("attention_forward") is None
     ref, _ = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
@@ -336,7 +338,7 @@ def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
     (256, 8, 4, 3000, 3000, False, (300, 45)),  # a sliding window: masked blocks on both edges
     (128, 8, 2, 2500, 2500, False, (-1, -1)),   # two consumers, the second's rows partly past the end
     (96, 16, 16, 1000, 4000, True, (-1, -1)),   # D padded to 128, causal with Sq < Sk
-    (128, 16, 1, 4000, 1000, True, (-1, -1)),   # MQA, Sq > Sk: whole consumers see no key
+    (128, 16, 1, 4000, 1100, True, (-1, -1)),   # MQA, Sq > Sk: whole consumers see no key
     (128, 8, 4, 3000, 3000, True, (500, 0)),    # a causal sliding window
     (64, 16, 2, 1100, 5000, False, (-1, -1)),   # three consumers (unmasked, many keys), Sq not a tile multiple
 ])
@@ -352,11 +354,82 @@ def test_gpu_gluon_forward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window,
         clear_records()
         out, lse = flash_attention_forward(q, k, v, causal=causal, window_size=window)
         assert last_launch("attention_forward_gluon") is not None
-        ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window)
-        seen = torch.isfinite(ref_lse)
-        assert torch.isfinite(out).all() and torch.equal(torch.isfinite(lse), seen)
-        assert torch.all(out.transpose(1, 2)[~seen.transpose(1, 2)] == 0)
-        torch.testing.assert_close(lse[seen], ref_lse[seen], atol=lse_tolerance(q), rtol=1e-4)
-        rows = seen.all(dim=(0, 1))  # SDPA gives NaN on rows its mask hides entirely: compare the rest
-        sdpa = _sdpa_error(q, k, v, causal, ref, window=window, rows=rows)
-        assert rel_error(out[:, :, rows], ref[:, :, rows]) <= 2 * sdpa + 1e-4
+        _check_banded_forward(q, k, v, out, lse, causal, window)
+
+
+def _check_banded_forward(q, k, v, out, lse, causal, window, scale=None):
+    """Outputs and lse against float64; rows that see no key are zero with lse -inf."""
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
+    seen = torch.isfinite(ref_lse)
+    assert torch.isfinite(out).all() and torch.equal(torch.isfinite(lse), seen)
+    assert torch.all(out.transpose(1, 2)[~seen.transpose(1, 2)] == 0)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=lse_tolerance(q), rtol=1e-4)
+    rows = seen.all(dim=(0, 1))  # SDPA gives NaN on rows its mask hides entirely: compare the rest
+    sdpa = _sdpa_error(q, k, v, causal, ref, scale, window=window, rows=rows)
+    assert rel_error(out[:, :, rows], ref[:, :, rows]) <= 2 * sdpa + 1e-4
+
+
+@pytest.mark.parametrize("D,Hkv,causal", [(128, 16, True), (128, 4, False), (256, 2, True), (64, 16, False)])
+def test_gluon_forward_launch_is_persistent_with_causal_tiles_in_l2_sections(D, Hkv, causal, monkeypatch):
+    """The Gluon forward's launch (recorded, not run: Gluon has no interpreter): persistent, one
+    program per SM walks the tiles head by head; with one program per tile, causal tiles come in
+    sections of as many heads as have K and V within GLUON_L2_SECTION_BYTES. By default a causal
+    call is persistent up to GLUON_PERSISTENT_MAX_CAUSAL_KEYS keys, others always."""
+    from flashmoe_science.attention import hopper
+    from flashmoe_science.attention._kernels.forward_gluon import attention_forward_gluon_kernel
+    from flashmoe_science.attention.configs import (GLUON_L2_SECTION_BYTES, GLUON_PERSISTENT_MAX_CAUSAL_KEYS,
+                                                    gluon_forward_config)
+    from flashmoe_science.device import info_for
+
+    calls = []
+
+    class Recorder:
+        def launch(self, key, grid, args, **options):
+            calls.append((grid, dict(zip(attention_forward_gluon_kernel.arg_names, args, strict=True))))
+
+    monkeypatch.setattr(hopper, "_GLUON", Recorder())
+    B, Hq = 2, 16
+    cfg = gluon_forward_config(D, False, 1000)
+    for S, persistent in ((1000, True), (1000, False), (1000, None), (GLUON_PERSISTENT_MAX_CAUSAL_KEYS + 8, None)):
+        q, k, v = make_qkv(B, Hq, Hkv, S, S, D, torch.bfloat16, "cpu", layout="bshd")
+        hopper.launch_gluon(q, k, v, torch.empty_like(q), None, 0.1, cfg, (-1, 0 if causal else -1), causal=causal,
+                            persistent=persistent)
+        grid, args = calls[-1]
+        tiles = B * Hq * -(-S // cfg.block_m)
+        assert args["batch_heads"] == B * Hq and args["num_m_blocks"] == -(-S // cfg.block_m)
+        assert args["PERSISTENT"] is (persistent if persistent is not None else not causal or S == 1000)
+        assert grid == ((min(tiles, info_for(q).sm_count) if args["PERSISTENT"] else tiles), 1, 1)
+        kv_per_query_head = 2 * S * head_dim_block(D) * 2 * Hkv // Hq
+        if causal and not args["PERSISTENT"]:
+            section = args["section"]
+            assert section * kv_per_query_head <= GLUON_L2_SECTION_BYTES < (section + 1) * kv_per_query_head
+        else:
+            assert args["section"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,B,Hq,Hkv,Sq,Sk,causal,window", [
+    (128, 2, 16, 16, 3000, 3000, True, (-1, -1)),  # ~6 tiles a program; causal sections of 21 heads, the last of 11
+    (128, 3, 16, 4, 1000, 2500, False, (-1, -1)),  # GQA, Sq < Sk, tiles of varying key counts in one program
+    (128, 2, 16, 1, 2900, 700, True, (-1, -1)),    # MQA, Sq > Sk: tiles with no key between tiles with some
+    (256, 4, 8, 2, 2000, 2000, True, (-1, -1)),    # O through Q's buffers; consumer 0 skips the diagonal's last block
+    (256, 2, 8, 8, 2500, 2500, True, (300, 0)),    # a causal window: consumers skip leading and trailing blocks
+    (64, 4, 16, 4, 2200, 4500, False, (-1, -1)),   # three consumers
+    (64, 2, 32, 32, 2048, 2048, True, (-1, -1)),   # three consumers, causal: early consumers skip blocks
+])
+def test_gpu_gluon_forward_persistent_matches_a_program_per_tile(D, B, Hq, Hkv, Sq, Sk, causal, window):
+    """The persistent Gluon kernel (sm90), where each program walks several tiles and carries its
+    buffer phases from one to the next, gives bit for bit the output of one program per tile, and
+    both match float64."""
+    from flashmoe_science.attention import hopper
+    from flashmoe_science.attention.configs import gluon_forward_config
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm90")
+    cfg = gluon_forward_config(head_dim_block(D), False, Sk)
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, "cuda", layout="bshd")
+    tiles = B * Hq * -(-Sq // cfg.block_m)
+    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    runs = [hopper.attention_forward_hopper(q, k, v, causal, D ** -0.5, cfg, gluon=True, persistent=persistent,
+                                            write_lse=True, window_size=window) for persistent in (True, False)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    _check_banded_forward(q, k, v, *runs[0], causal, window)

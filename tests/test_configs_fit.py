@@ -51,23 +51,30 @@ def test_dispatcher_only_picks_shipped_forward_configs(capability):
 
 
 def test_hopper_forward_dispatch_picks_gluon_where_it_was_measured_faster():
-    """sm90, 16-bit, above HOPPER_MIN_FLOPS: the Gluon kernel at padded head dims 128 and 256 unless
-    softcapped; at 64 only on unmasked calls with at least GLUON_FORWARD_MIN_KEYS keys; the Triton
-    TMA kernel otherwise; the generic kernel off sm90, for fp32 and for small calls."""
-    from flashmoe_science.attention.configs import (GLUON_FORWARD, GLUON_FORWARD_MIN_KEYS, GLUON_FORWARD_UNMASKED,
-                                                    HOPPER_FORWARD, HOPPER_MIN_FLOPS, hopper_forward_config)
+    """sm90, 16-bit, above HOPPER_MIN_FLOPS: the Gluon kernel per `GLUON_FORWARD` (head dim, masked or
+    not, key count) unless softcapped; the Triton TMA kernel otherwise; the generic kernel off
+    sm90, for fp32 and for small calls. Causal calls run persistent up to
+    GLUON_PERSISTENT_MAX_CAUSAL_KEYS keys, others always."""
+    from flashmoe_science.attention.configs import (GLUON_PERSISTENT_MAX_CAUSAL_KEYS, HOPPER_FORWARD,
+                                                    HOPPER_MIN_FLOPS, AttentionConfig, gluon_persistent,
+                                                    hopper_forward_config)
     sm90 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
     big = 2 * HOPPER_MIN_FLOPS
-    many = GLUON_FORWARD_MIN_KEYS
-    assert hopper_forward_config(sm90, 2, 128, big, masked=True, seqlen_k=1024) == (True, GLUON_FORWARD[128])
-    assert hopper_forward_config(sm90, 2, 200, big, masked=False, seqlen_k=1024) == (True, GLUON_FORWARD[256])
-    assert hopper_forward_config(sm90, 2, 128, big, softcap=True, seqlen_k=many) == (False, HOPPER_FORWARD[128])
-    assert hopper_forward_config(sm90, 2, 64, big, masked=False, seqlen_k=many) == (True, GLUON_FORWARD_UNMASKED[64])
-    assert hopper_forward_config(sm90, 2, 48, big, masked=False, seqlen_k=many - 1) == (False, HOPPER_FORWARD[64])
-    assert hopper_forward_config(sm90, 2, 64, big, masked=True, seqlen_k=4 * many) == (False, HOPPER_FORWARD[64])
-    assert hopper_forward_config(sm90, 2, 64, big, softcap=True, masked=False, seqlen_k=many) == (False,
-                                                                                                HOPPER_FORWARD[64])
+    two, three, wide = AttentionConfig(128, 128, 4, 2), AttentionConfig(192, 128, 4, 2), AttentionConfig(128, 64, 4, 2)
+    expected = [  # (head dim, masked, keys, softcap) -> what runs
+        ((128, True, 1024, False), (True, two)), ((128, True, 1023, False), (False, HOPPER_FORWARD[128])),
+        ((128, False, 512, False), (True, two)), ((128, False, 4096, True), (False, HOPPER_FORWARD[128])),
+        ((200, False, 512, False), (True, wide)), ((256, True, 512, False), (True, wide)),
+        ((64, False, 2047, False), (True, two)), ((48, False, 2048, False), (True, three)),
+        ((64, True, 8192, False), (True, three)), ((64, True, 8191, False), (False, HOPPER_FORWARD[64])),
+        ((64, False, 4096, True), (False, HOPPER_FORWARD[64])),
+    ]
+    for (head_dim, masked, keys, softcap), runs in expected:
+        assert hopper_forward_config(sm90, 2, head_dim, big, softcap, masked, keys) == runs, (head_dim, masked, keys)
+    many = 1 << 14
     assert hopper_forward_config(sm90, 2, 128, HOPPER_MIN_FLOPS / 2, masked=False, seqlen_k=many) is None
     assert hopper_forward_config(sm90, 4, 128, big, masked=False, seqlen_k=many) is None
+    assert gluon_persistent(False, many) and gluon_persistent(True, GLUON_PERSISTENT_MAX_CAUSAL_KEYS)
+    assert not gluon_persistent(True, GLUON_PERSISTENT_MAX_CAUSAL_KEYS + 1)
     sm80 = DeviceInfo("probe", 80, 108, SHARED_MEMORY_PER_BLOCK[80], 0)
     assert hopper_forward_config(sm80, 2, 128, big, masked=False, seqlen_k=many) is None

@@ -109,21 +109,50 @@ HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 6
 # The Gluon forward (`_kernels/forward_gluon.py`: warp-specialised, a producer warp and two or
 # three consumer warpgroups of 64 query rows sharing each K/V tile, the softmax of one key block
 # overlapping the P V product of the one before) replaces the Triton kernel above where it was
-# measured faster. H100, bf16, 16k tokens, Hq * D = 2048, S = 2048 / 4096 / 16384
-# (benchmarks/results/attention_hopper_sweep_gluon.json), TFLOP/s against the Triton entry above:
-# - D = 128, two consumers on 128 x 128 tiles: 623 / 639 / 654 against 537 / 568 / 579, causal
-#   473 / 531 / 662 against 448 / 489 / 496; three consumers on 192 x 64 tiles trail them by 5-15%.
-# - D = 256, 128 x 64 tiles: 662 / 716 / 718 against 456 / 486 / 500, causal 520 / 597 / 713
-#   against 373 / 428 / 532.
-# - D = 64, three consumers on 192 x 128 tiles: 450 / 485 / 506 against 432 / 456 / 444 without a
-#   mask, but causal 233 / 341 / 460 against 354 / 384 / 414: a 192-row tile wastes more of each
-#   diagonal block, and one program per SM leaves the uneven causal work unbalanced. So at D = 64
-#   only unmasked calls (no causal flag, no window) with at least GLUON_FORWARD_MIN_KEYS keys run
-#   it; the rest stay on the Triton kernel.
+# measured faster: GLUON_FORWARD[padded head dim] = (unmasked, masked) lists of (minimum keys,
+# config); the last entry whose minimum the call's key count reaches runs, none: the Triton kernel.
+# Masked = a causal flag or a window. Non-causal calls run it persistent (one program per SM
+# walking the tiles), causal calls persistent up to GLUON_PERSISTENT_MAX_CAUSAL_KEYS keys and one
+# program per tile above (the hardware then deals the uneven tiles out as SMs free up).
+# H100, bf16, 16k tokens, Hq * D = 2048, S = 512 ... 16384, a one-off interleaved A/B of the
+# schedules (figures in issue 7's closing note), TFLOP/s, against the Triton entry above:
+# - D = 128, 128 x 128: 477 / 589 / 651 / 630 / 623 / 659 against 370 / 467 / 502 / 522 / 513 / 522
+#   unmasked; causal from S = 1024: 367 / 518 / 566 / 638 / 606 against 354 / 436 / 478 / 503 / 567.
+#   At S = 512 causal the Triton kernel's 64-row tiles win (243 against 229).
+# - D = 256, 128 x 64: 474 ... 738 against 332 ... 478; causal 301 ... 716 against 220 ... 494.
+# - D = 64: two consumers (128 x 128) below 2048 keys, three (192 x 128) from there, unmasked:
+#   352 / 404 / 465 / 471 / 507 / 505 against 327 / 392 / 433 / 422 / 428 / 429. Causal only from
+#   8192 keys (443 / 520 against 408 / 426): below, the Triton kernel is as fast or faster
+#   (S = 2048: 352 against 356 at best), and the transformer-block benchmark's attention stays on it.
 # Softcapped calls stay on the Triton kernel (the Gluon kernel has no softcap).
-GLUON_FORWARD = {128: AttentionConfig(128, 128, 4, 2), 256: AttentionConfig(128, 64, 4, 2)}
-GLUON_FORWARD_UNMASKED = {64: AttentionConfig(192, 128, 4, 2)}
-GLUON_FORWARD_MIN_KEYS = 4096
+GLUON_FORWARD = {
+    64: ([(0, AttentionConfig(128, 128, 4, 2)), (2048, AttentionConfig(192, 128, 4, 2))],
+         [(8192, AttentionConfig(192, 128, 4, 2))]),
+    128: ([(0, AttentionConfig(128, 128, 4, 2))], [(1024, AttentionConfig(128, 128, 4, 2))]),
+    256: ([(0, AttentionConfig(128, 64, 4, 2))], [(0, AttentionConfig(128, 64, 4, 2))]),
+}
+GLUON_PERSISTENT_MAX_CAUSAL_KEYS = 4096
+
+
+def gluon_forward_config(block_d: int, masked: bool, seqlen_k: int) -> AttentionConfig | None:
+    """The Gluon forward's configuration for a call (`GLUON_FORWARD`), or None where the Triton
+    kernel runs."""
+    chosen = None
+    for min_keys, cfg in GLUON_FORWARD.get(block_d, ([], []))[masked]:
+        if seqlen_k >= min_keys:
+            chosen = cfg
+    return chosen
+
+
+def gluon_forward_configs():
+    """Every (padded head dim, config) of `GLUON_FORWARD`."""
+    return dict.fromkeys((block_d, cfg) for block_d, lists in GLUON_FORWARD.items()
+                         for entries in lists for _, cfg in entries)
+
+
+def gluon_persistent(causal: bool, seqlen_k: int) -> bool:
+    """Whether the Gluon forward runs persistent (`GLUON_FORWARD`'s comment)."""
+    return not causal or seqlen_k <= GLUON_PERSISTENT_MAX_CAUSAL_KEYS
 
 
 def gluon_forward_tiles(config: AttentionConfig) -> tuple[int, int]:
@@ -131,6 +160,33 @@ def gluon_forward_tiles(config: AttentionConfig) -> tuple[int, int]:
     four-warp consumer (config.num_warps), config.block_m rows per program."""
     rows = 16 * config.num_warps
     return rows, config.block_m // rows
+
+
+# The Gluon forward's tile order (`forward_gluon._tile_coordinates`) takes the causal tiles of a
+# program-per-tile grid in sections of (batch, head) pairs whose K and V fit in this much of the
+# L2 cache (50 MB on an H100) and, within a section, heaviest first (at S = 8192 causal, D = 128:
+# 638 against 561 TFLOP/s head by head; D = 256: 644 against 604); the other calls keep the query
+# blocks of one head together (persistent causal calls: sections cost up to 30%).
+GLUON_L2_SECTION_BYTES = 32 << 20
+
+
+def gluon_forward_section(group_size: int, seqlen_k: int, block_d: int, element_size: int,
+                          sectioned: bool) -> int:
+    """How many (batch, query head) pairs one section of the Gluon forward's tile order holds: where
+    `sectioned` (causal, one program per tile), as many as share GLUON_L2_SECTION_BYTES of K and V
+    (a group's query heads share them); else 1."""
+    if not sectioned:
+        return 1
+    per_head = 2 * seqlen_k * block_d * element_size
+    return max(1, GLUON_L2_SECTION_BYTES * group_size // per_head)
+
+
+def gluon_separate_output(config: AttentionConfig, block_d: int) -> bool:
+    """Whether the Gluon forward's 16-bit output tiles get buffers of their own (so the next tile's
+    Q loads while a tile's last products run) or reuse Q's: they do where Q, O and the K/V stages
+    fit in Hopper's 227 KB of shared memory (with 1 KB to spare for barriers)."""
+    rows = 2 * config.block_m + 2 * config.num_stages * config.block_n
+    return 2 * rows * block_d <= 226 * 1024
 
 
 # Below this many FLOPs the generic kernel runs: building four tensor descriptors costs host time
@@ -146,10 +202,9 @@ def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, 
     if device.capability != 90 or device.arch_family != 90 or element_size != 2 or flops < HOPPER_MIN_FLOPS:
         return None
     block_d = head_dim_block(head_dim)
-    if not softcap and block_d in GLUON_FORWARD:
-        return True, GLUON_FORWARD[block_d]
-    if not softcap and not masked and seqlen_k >= GLUON_FORWARD_MIN_KEYS and block_d in GLUON_FORWARD_UNMASKED:
-        return True, GLUON_FORWARD_UNMASKED[block_d]
+    gluon = None if softcap else gluon_forward_config(block_d, masked, seqlen_k)
+    if gluon is not None:
+        return True, gluon
     cfg = HOPPER_FORWARD.get(block_d)
     return None if cfg is None else (False, cfg)
 
@@ -243,9 +298,11 @@ def _gluon_builds():
     from ..target_compile import KernelBuild
     from ._kernels.forward_gluon import attention_forward_gluon_kernel
 
-    for block_d, cfg in (*GLUON_FORWARD.items(), *GLUON_FORWARD_UNMASKED.items()):
+    for block_d, cfg in gluon_forward_configs():
         rows, consumers = gluon_forward_tiles(cfg)
-        for causal, (name, dtype) in ((False, ("fp16", gl.float16)), (True, ("bf16", gl.bfloat16))):
+        for causal, persistent, (name, dtype) in ((False, True, ("fp16", gl.float16)),
+                                                  (True, True, ("bf16", gl.bfloat16)),
+                                                  (True, False, ("bf16", gl.bfloat16))):
             sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}
             for arg, tile_rows in (("desc_q", rows), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
                                    ("desc_o", rows)):
@@ -253,9 +310,11 @@ def _gluon_builds():
                 sig[arg] = f"tensordesc<{name}[1,1,{tile_rows},{block_d}],{layout!r}>"
             sig.update(LSE="*fp32", scale_log2="fp32")
             constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
-                              CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers)
+                              CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
+                              SEPARATE_O=gluon_separate_output(cfg, block_d), PERSISTENT=persistent)
             sig.update({n: "constexpr" for n in constexprs})
-            yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} {cfg}",
+            yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} "
+                                    f"persistent={persistent} {cfg}",
                               fn=attention_forward_gluon_kernel, signature=sig, constexprs=constexprs,
                               num_warps=cfg.num_warps, num_stages=1, aligned=("LSE",))
 

@@ -17,11 +17,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..device import info_for
 from ..launch import KernelLauncher
 from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 from ._kernels.forward_gluon import attention_forward_gluon_kernel
 from ._kernels.forward_hopper import attention_forward_hopper_kernel
-from .configs import gluon_forward_tiles, head_dim_block
+from .configs import (gluon_forward_section, gluon_forward_tiles, gluon_persistent, gluon_separate_output,
+                      head_dim_block)
 
 _LOG2E = 1.4426950408889634
 _HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_kernel)
@@ -109,9 +111,10 @@ def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_sp
 
 
 def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, warp_specialize: bool = False,
-                             gluon: bool = False, write_lse: bool = False, window_size=(-1, -1)):
-    """Forward through the Hopper Triton kernel, or the Gluon kernel with `gluon`, with an explicit
-    AttentionConfig (for sweeps); returns (out, lse).
+                             gluon: bool = False, persistent: bool | None = None, write_lse: bool = False,
+                             window_size=(-1, -1)):
+    """Forward through the Hopper Triton kernel, or the Gluon kernel with `gluon` (`persistent` as
+    for `launch_gluon`), with an explicit AttentionConfig (for sweeps); returns (out, lse).
 
     q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true;
     window_size as for `flash_attention_science` (with causal, the right bound is 0).
@@ -123,7 +126,8 @@ def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config
     left, right = window_size
     window = (left, 0 if causal else right)
     if gluon:
-        launch_gluon(q, k, v, out, lse, softmax_scale, config, window, causal=causal, device_index=q.device.index)
+        launch_gluon(q, k, v, out, lse, softmax_scale, config, window, causal=causal, persistent=persistent,
+                     device_index=q.device.index)
     else:
         launch(q, k, v, out, lse, softmax_scale, 0.0, config, window, causal=causal,
                warp_specialize=warp_specialize, device_index=q.device.index)
@@ -144,21 +148,30 @@ def _gluon_descriptor(t: torch.Tensor, rows: int, block_d: int):
                            _gluon_layout(rows, block_d, t.dtype))
 
 
-def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, device_index=None, key=None) -> None:
+def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, persistent=None, device_index=None,
+                 key=None) -> None:
     """As `launch`, through the Gluon kernel (`_kernels/forward_gluon.py`): no softcap;
-    config.block_m query rows per program, 16 per warp of its four-warp consumers (config.num_warps
-    is a consumer's), so block_m = 128 runs two consumers and 192 three."""
+    config.block_m query rows per tile, 16 per warp of its four-warp consumers (config.num_warps
+    is a consumer's), so block_m = 128 runs two consumers and 192 three. `persistent` (default:
+    `configs.gluon_persistent`): one program per SM walks the tiles; else one program per tile."""
     batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
     block_d = head_dim_block(head_dim)
     rows, consumers = gluon_forward_tiles(config)
     num_m_blocks = -(-seqlen_q // config.block_m)
+    tiles = num_m_blocks * batch * heads_q
+    if persistent is None:
+        persistent = gluon_persistent(causal, seqlen_k)
+    programs = min(tiles, info_for(q).sm_count) if persistent else tiles
+    section = gluon_forward_section(heads_q // heads_kv, seqlen_k, block_d, q.element_size(), causal and not persistent)
     _GLUON.launch(
-        key, (num_m_blocks * batch * heads_q, 1, 1),
+        key, (programs, 1, 1),
         (_gluon_descriptor(q, rows, block_d), _gluon_descriptor(k, config.block_n, block_d),
          _gluon_descriptor(v, config.block_n, block_d), _gluon_descriptor(out, rows, block_d),
          out if lse is None else lse, scale * _LOG2E, heads_q * seqlen_q, seqlen_q,
-         heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
-         rows, config.block_n, block_d, config.num_stages, causal, lse is not None, consumers),
+         heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks, batch * heads_q, section, *window,
+         rows, config.block_n, block_d, config.num_stages, causal, lse is not None, consumers,
+         gluon_separate_output(config, block_d), persistent),
         num_warps=4, num_stages=1, device_index=device_index)
 
 

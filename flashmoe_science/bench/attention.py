@@ -630,9 +630,10 @@ HOPPER_CANDIDATES = {64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 3
                      128: [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 128, 4, 2),
                            (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
                      256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]}
-# The Gluon kernel's candidates: (rows per program, BLOCK_N, stages), 64 rows per consumer
+# The Gluon kernel's candidates: (rows per tile, BLOCK_N, stages), 64 rows per consumer
 # warpgroup (two or three); Q plus K and V per stage fill at most 227 KB, and three consumers get
-# 160 registers a thread against two's 240.
+# 160 registers a thread against two's 240. Each is timed persistent (one program per SM, as
+# shipped) and with one program per tile ("grid=tiles").
 GLUON_CANDIDATES = {64: [(128, 128, 2), (128, 128, 3), (192, 128, 2), (192, 128, 3), (192, 64, 3), (192, 64, 4)],
                     128: [(128, 128, 2), (128, 64, 3), (192, 64, 2), (192, 64, 3)],
                     256: [(128, 64, 2), (128, 32, 3)]}
@@ -684,11 +685,11 @@ def _hopper_sweep(args, device):
             rows.append(timed(f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}",
                               lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws,
                                                                       window_size=window)))
-        for bm, bn, stages in GLUON_CANDIDATES.get(head_dim, []):
+        for (bm, bn, stages), persistent in itertools.product(GLUON_CANDIDATES.get(head_dim, []), (True, False)):
             cfg = AttentionConfig(bm, bn, 4, stages)
-            rows.append(timed(f"gluon {bm}x{bn} s{stages}",
+            rows.append(timed(f"gluon {bm}x{bn} s{stages}{'' if persistent else ' grid=tiles'}",
                               lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, gluon=True,
-                                                                      window_size=window)))
+                                                                      persistent=persistent, window_size=window)))
     return rows
 
 

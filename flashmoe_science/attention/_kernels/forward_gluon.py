@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward import band_blocks, band_diagonals, program_coordinates
+from .forward import band_blocks, band_diagonals
 
 
 @gluon.jit
@@ -63,6 +63,32 @@ def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqle
 
 
 @gluon.jit
+def _tile_coordinates(tile, num_heads_q, group_size, num_m_blocks, batch_heads, section, CAUSAL: gl.constexpr):
+    """(batch, query head, its key/value head, query block) of tile `tile`. Tiles run in sections
+    of `section` (batch, head) pairs whose K and V fit in L2 together; within a section the query
+    block is the slow index, so the tiles in flight at once span the section's heads, and causal
+    blocks run heaviest first (the last query block sees the most keys): a program that takes a
+    light tile late fills the tail left by heavy ones (longest-processing-time-first order)."""
+    per_section = section * num_m_blocks
+    first_bh = tile // per_section * section
+    heads = gl.minimum(section, batch_heads - first_bh)  # the last section may hold fewer
+    rest = tile % per_section
+    pid_m = rest // heads
+    bh = first_bh + rest % heads
+    if CAUSAL:
+        pid_m = num_m_blocks - 1 - pid_m
+    h = bh % num_heads_q
+    return bh // num_heads_q, h, h // group_size, pid_m
+
+
+@gluon.jit
+def _tile_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(lo, number of key blocks) the tile's ROWS query rows from tile_row meet."""
+    lo, _, _, hi = band_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, ROWS, BLOCK_N)
+    return lo, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+
+@gluon.jit
 def _load_tile(desc, smem, bars, stage, b, h_kv, start_n):
     """TMA copy of the K or V tile starting at key start_n into buffer `stage`."""
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes)
@@ -70,37 +96,94 @@ def _load_tile(desc, smem, bars, stage, b, h_kv, start_n):
 
 
 @gluon.jit
-def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-              num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr):
-    b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
-    tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
-    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
-    lo, _, _, hi = band_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
-    num_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+def _load_q(desc_q, q_smem, q_ready, q_empty, b, h, tile_row, tile_iter, BLOCK_M: gl.constexpr,
+            NUM_CONSUMERS: gl.constexpr):
+    """Each consumer's Q rows of a tile, once the consumer is done with the previous tile's."""
     for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.expect(q_bars.index(c), desc_q.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q, [b, h, tile_row + c * BLOCK_M, 0], q_bars.index(c), q_smem.index(c))
-    for j in range(num_blocks):
-        stage = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
-        start_n = lo + j * BLOCK_N
-        # A fresh mbarrier counts as having completed the phase before 0: the first pass is free.
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
-        _load_tile(desc_k, k_smem, k_ready, stage, b, h_kv, start_n)
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        _load_tile(desc_v, v_smem, v_ready, stage, b, h_kv, start_n)
+        # A fresh mbarrier counts as having completed the phase before 0: the first wait is free.
+        mbarrier.wait(q_empty.index(c), (tile_iter & 1) ^ 1)
+        mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [b, h, tile_row + c * BLOCK_M, 0], q_ready.index(c), q_smem.index(c))
 
 
 @gluon.jit
-def _consumer(desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-              scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
-              window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr):
-    """Consumer C of the program: query rows [C * BLOCK_M, (C + 1) * BLOCK_M) of its tile. It
-    releases each K and V buffer as soon as its own product has read it."""
+def _release(ready, empty, it, NUM_STAGES: gl.constexpr):
+    """Give back buffer use `it` unread (a key block outside this consumer's rows' band). The
+    wait keeps the arrivals in order: the buffer's previous use has been released by every
+    consumer once this one's copy has landed."""
+    mbarrier.wait(ready.index(it % NUM_STAGES), (it // NUM_STAGES) & 1)
+    mbarrier.arrive(empty.index(it % NUM_STAGES), count=1)
+
+
+@gluon.jit
+def _schedule(rounds_done, num_tiles):
+    """The tile a persistent program takes in round `rounds_done`: rounds of one tile per program
+    go back and forth over the programs (program p takes tile p of the even rounds and the p-th
+    from the end of the odd ones), so on causal tiles, ordered heaviest first, a program with a
+    heavy tile in one round gets a light one in the next. Past the last tile: num_tiles or more."""
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    return rounds_done * programs + pid + (rounds_done & 1) * (programs - 1 - 2 * pid)
+
+
+@gluon.jit
+def _produce_tile(tile, it, tile_iter, desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                  k_empty, v_ready, v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads,
+                  section, diag_lo, diag_hi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """Copies one tile's Q and K/V blocks in the consumers' order; `it` counts buffer uses across
+    tiles, so the next tile's first blocks load while the consumers finish this one. Returns the
+    count after this tile."""
+    b, h, h_kv, pid_m = _tile_coordinates(tile, num_heads_q, group_size, num_m_blocks, batch_heads, section, CAUSAL)
+    tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
+    lo, num_blocks = _tile_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+    for j in range(num_blocks):
+        stage = (it + j) % NUM_STAGES
+        phase = ((it + j) // NUM_STAGES) & 1
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        _load_tile(desc_k, k_smem, k_ready, stage, b, h_kv, lo + j * BLOCK_N)
+        if j == 0:  # Q after the first K block: that copy is under way while Q's buffers free up
+            _load_q(desc_q, q_smem, q_ready, q_empty, b, h, tile_row, tile_iter, BLOCK_M, NUM_CONSUMERS)
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        _load_tile(desc_v, v_smem, v_ready, stage, b, h_kv, lo + j * BLOCK_N)
+    if num_blocks == 0:
+        _load_q(desc_q, q_smem, q_ready, q_empty, b, h, tile_row, tile_iter, BLOCK_M, NUM_CONSUMERS)
+    return it + num_blocks
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+              num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, window_left,
+              window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
+    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
+    if PERSISTENT:
+        num_tiles = batch_heads * num_m_blocks
+        it = 0
+        for rounds_done in range(gl.cdiv(num_tiles, gl.num_programs(0))):
+            tile = _schedule(rounds_done, num_tiles)
+            if tile < num_tiles:
+                it = _produce_tile(tile, it, rounds_done, desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready,
+                                   q_empty, k_ready, k_empty, v_ready, v_empty, num_heads_q, group_size, seqlen_q,
+                                   seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, BLOCK_M, BLOCK_N,
+                                   NUM_STAGES, CAUSAL, NUM_CONSUMERS)
+    else:
+        _produce_tile(gl.program_id(0), 0, 0, desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty,
+                      k_ready, k_empty, v_ready, v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
+                      batch_heads, section, diag_lo, diag_hi, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)
+
+
+@gluon.jit
+def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                  k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
+                  seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                  SEPARATE_O: gl.constexpr):
+    """Consumer C's rows [C * BLOCK_M, (C + 1) * BLOCK_M) of one tile; `it` counts buffer uses
+    across tiles (returned after this tile). It computes only the key blocks its own rows meet,
+    gives the tile's others back unread, and releases each K and V buffer as soon as its own
+    product has read it."""
     gl.static_assert(BLOCK_M == 16 * gl.num_warps(), "each warp holds 16 query rows")
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -112,73 +195,117 @@ def _consumer(desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_r
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = desc_o.dtype
 
-    b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
+    b, h, h_kv, pid_m = _tile_coordinates(tile, num_heads_q, group_size, num_m_blocks, batch_heads, section, CAUSAL)
     tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
     first_row = tile_row + C * BLOCK_M
-    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
-    # Every consumer walks all the tile's key blocks (they share the buffers); its own rows decide
-    # which of them need no mask. Blocks outside its band come out fully masked: p = 0.
-    lo, _, _, hi = band_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
-    _, full_lo, full_hi, _ = band_blocks(first_row, seqlen_q, seqlen_k, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
-    num_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    lo, num_blocks = _tile_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
+    # This consumer's own blocks [first, last) of the tile's, and which of them need no mask.
+    own_lo, full_lo, full_hi, own_hi = band_blocks(first_row, seqlen_q, seqlen_k, diag_lo, diag_hi, BLOCK_M, BLOCK_N)
+    if CAUSAL:
+        first = gl.minimum((own_lo - lo) // BLOCK_N, num_blocks)
+        last = gl.maximum(first, gl.minimum(gl.cdiv(gl.maximum(own_hi - lo, 0), BLOCK_N), num_blocks))
+    else:
+        first = 0
+        last = num_blocks
+    for j in range(first):
+        _release(k_ready, k_empty, it + j, NUM_STAGES)
+        _release(v_ready, v_empty, it + j, NUM_STAGES)
 
+    q = q_smem.index(C).reshape([BLOCK_M, BLOCK_D])
     offs_m = first_row + gl.arange(0, BLOCK_M, layout=rows_s)
     offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
+    s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
     acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
-    s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
-    q = q_smem.index(C).reshape([BLOCK_M, BLOCK_D])
-    mbarrier.wait(q_bars.index(C), 0)
+    mbarrier.wait(q_ready.index(C), tile_iter & 1)
 
-    # Block 0: S_0 and its softmax, with nothing to overlap.
-    if num_blocks > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
+    # The first block: S and its softmax, with nothing to overlap.
+    if last > first:
+        use = it + first
+        mbarrier.wait(k_ready.index(use % NUM_STAGES), (use // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(use % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo, full_lo, full_hi, seqlen_k, diag_lo,
-                                              diag_hi, scale_log2)
+        mbarrier.arrive(k_empty.index(use % NUM_STAGES), count=1)
+        p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + first * BLOCK_N, full_lo, full_hi,
+                                              seqlen_k, diag_lo, diag_hi, scale_log2)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
-    for j in range(1, num_blocks):
-        stage = j % NUM_STAGES
-        prev = (j - 1) % NUM_STAGES
-        start_n = lo + j * BLOCK_N
-        mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+    for j in range(first + 1, last):
+        stage = (it + j) % NUM_STAGES
+        prev = (it + j - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
         s_tok = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
                               use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
         o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
         # S_j is done when at most the P V product is in flight: its softmax overlaps that product.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)
-        p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k,
-                                              diag_lo, diag_hi, scale_log2)
+        p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + j * BLOCK_N, full_lo, full_hi,
+                                              seqlen_k, diag_lo, diag_hi, scale_log2)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         p = gl.convert_layout(p32.to(dtype), p_layout)
+    if SEPARATE_O:  # Q is read by the S products only, all complete: the next tile's may load
+        mbarrier.arrive(q_empty.index(C), count=1)
 
-    if num_blocks > 0:
-        last = (num_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
-        o_tok = warpgroup_mma(p, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+    if last > first:
+        use = it + last - 1
+        mbarrier.wait(v_ready.index(use % NUM_STAGES), (use // NUM_STAGES) & 1)
+        o_tok = warpgroup_mma(p, v_smem.index(use % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-        mbarrier.arrive(v_empty.index(last), count=1)
+        mbarrier.arrive(v_empty.index(use % NUM_STAGES), count=1)
 
     # Rows that saw no key have l = 0: output 0 and lse -inf (`forward.finish`).
     l_o = gl.convert_layout(l_i, rows_o)
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    q_smem.index(C).reshape([BLOCK_M, BLOCK_D]).store(out.to(dtype))
+    o_buf = o_smem.index(C)
+    if SEPARATE_O:
+        tma.store_wait(0)  # the previous tile's store has read the buffer
+    o_buf.reshape([BLOCK_M, BLOCK_D]).store(out.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc_o, [b, h, first_row, 0], q_smem.index(C))
+    tma.async_copy_shared_to_global(desc_o, [b, h, first_row, 0], o_buf)
     if WRITE_LSE:
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         lse_ptrs = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_m
         gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+    if not SEPARATE_O:  # O went out through Q's buffer: free it once the store has read it
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(C), count=1)
+    for j in range(last, num_blocks):
+        _release(k_ready, k_empty, it + j, NUM_STAGES)
+        _release(v_ready, v_empty, it + j, NUM_STAGES)
+    return it + num_blocks
+
+
+@gluon.jit
+def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+              scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
+              batch_heads, section, window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
+    if PERSISTENT:
+        num_tiles = batch_heads * num_m_blocks
+        it = 0
+        for rounds_done in range(gl.cdiv(num_tiles, gl.num_programs(0))):
+            tile = _schedule(rounds_done, num_tiles)
+            if tile < num_tiles:
+                it = _consume_tile(tile, it, rounds_done, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready,
+                                   q_empty, k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh,
+                                   num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
+                                   diag_lo, diag_hi, C, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE,
+                                   NUM_CONSUMERS, SEPARATE_O)
+    else:
+        _consume_tile(gl.program_id(0), 0, 0, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
+                      k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size,
+                      seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C, BLOCK_M, BLOCK_N,
+                      BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
     tma.store_wait(0)
 
 
@@ -186,26 +313,36 @@ def _consumer(desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_r
 def attention_forward_gluon_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,
     scale_log2, stride_lb, stride_lh,
-    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
+    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
     """num_warps = 4 (the first consumer), NUM_CONSUMERS - 1 more four-warp consumers and a one-warp
-    producer; NUM_CONSUMERS * BLOCK_M query rows per program, one program per SM. The warpgroups
-    share the register file: the producer's drops to 24 registers a thread and the consumers
-    split the rest (240 each for two, 160 each for three)."""
+    producer; NUM_CONSUMERS * BLOCK_M query rows per tile of `_tile_coordinates`' order. PERSISTENT:
+    one program per SM, taking tiles as `_schedule` deals them; else one program per tile. (One
+    program per SM either way: the buffers fill shared memory.) The warpgroups share the register file: the producer's drops to 24 registers a thread
+    and the consumers split the rest (240 each for two, 160 each for three). With SEPARATE_O the
+    output leaves through its own buffers, so the next tile's Q loads while this one's last
+    products run; without it (where shared memory is short) through Q's."""
     gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
+    if SEPARATE_O:
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_D], desc_o.layout)
+    else:
+        o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_v.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_bars.index(c), count=1)
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -215,33 +352,33 @@ def attention_forward_gluon_kernel(
     # Partition arguments are spelled out: a tuple built with + loses its constexprs.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, window_left, window_right, 0, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
-            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, window_left, window_right, 1, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
-            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                         v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left,
-                         window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)),
+            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
+                         window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, window_left, window_right, 0, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
-            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, window_left, window_right, 1, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
-            (_consumer, (desc_o, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready, v_empty,
-                         scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, window_left, window_right, 2, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
-                         CAUSAL, WRITE_LSE, NUM_CONSUMERS)),
-            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, k_empty, v_ready,
-                         v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left,
-                         window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)),
+            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
+                         num_m_blocks, batch_heads, section, window_left, window_right, 2, BLOCK_M, BLOCK_N,
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
+                         window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
         ], [4, 4, 1], [160, 160, 24])
