@@ -632,8 +632,8 @@ HOPPER_CANDIDATES = {64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 3
                      256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]}
 # The Gluon kernel's candidates: (rows per tile, BLOCK_N, stages), 64 rows per consumer
 # warpgroup (two or three); Q plus K and V per stage fill at most 227 KB, and three consumers get
-# 160 registers a thread against two's 240. Each is timed persistent (one program per SM, as
-# shipped) and with one program per tile ("grid=tiles").
+# 160 registers a thread against two's 240. Each is timed persistent (one program per SM) and
+# with one program per tile ("grid=tiles"); `configs.gluon_persistent` says which one ships.
 GLUON_CANDIDATES = {64: [(128, 128, 2), (128, 128, 3), (192, 128, 2), (192, 128, 3), (192, 64, 3), (192, 64, 4)],
                     128: [(128, 128, 2), (128, 64, 3), (192, 64, 2), (192, 64, 3)],
                     256: [(128, 64, 2), (128, 32, 3)]}

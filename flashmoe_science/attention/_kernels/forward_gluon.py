@@ -17,6 +17,10 @@ partitions that run different code (Shah et al. 2024, FlashAttention-3):
   computes exponentials, another's products occupy the tensor cores.
 - The producer's warpgroup gives its registers to the consumers (`setmaxnreg`): 240 a thread
   each for two consumers, 160 for three.
+- Persistent (PERSISTENT): one program per SM takes tile after tile (`_schedule`), its
+  partitions counting buffer uses across tiles, so the producer copies the next tile's first K
+  block, Q and V while the consumers finish one. Causal calls skip, per consumer, the key
+  blocks its rows never see. Otherwise one program per tile, in `_tile_coordinates`' order.
 
 Q, K, V and O are addressed through 4-D (batch, head, seq, head_dim) descriptors with the
 caller's strides; loads past the end are zero-filled and stores past it dropped, so only scores
