@@ -564,12 +564,14 @@ def test_gpu_tma_tiles_give_the_pointer_kernels_bits(B, Hq, Hkv, Sq, Sk, D, caus
     assert_within_twice_pytorch(runs[1], q, k, v, grad_out, causal)
 
 
-@pytest.mark.parametrize("D", [128, 256])
-def test_gluon_backward_launches_describe_each_tile_of_its_tensor(D, monkeypatch):
+@pytest.mark.parametrize("D,fused", [(128, False), (256, False), (64, True), (128, True)])
+def test_gluon_backward_launches_describe_each_tile_of_its_tensor(D, fused, monkeypatch):
     """The Gluon launches (recorded, not run: Gluon has no interpreter) get a descriptor of the
-    right tensor and tile for every tiled argument; the kernels share those of equal tiles."""
+    right tensor and tile for every tiled argument; the kernels share those of equal tiles. The
+    fused kernel launches alone, with an fp32 dQ accumulator shaped like q that dq is then
+    scaled from (zero here, as the recorded kernel adds nothing)."""
     from flashmoe_science.attention import hopper
-    from flashmoe_science.attention.configs import GLUON_BACKWARD
+    from flashmoe_science.attention.configs import GLUON_BACKWARD, gluon_fused_backward_candidates
 
     calls = {}
 
@@ -583,21 +585,35 @@ def test_gluon_backward_launches_describe_each_tile_of_its_tensor(D, monkeypatch
     monkeypatch.setattr(hopper, "_GLUON_DQ", Recorder("dq"))
     monkeypatch.setattr(hopper, "_GLUON_DKDV", Recorder("dkdv"))
     q, k, v = make_qkv(1, 4, 2, 100, 120, D, torch.bfloat16, "cpu", layout="bshd")
-    grad_out, out, dq = torch.randn_like(q), torch.randn_like(q), torch.empty_like(q)
+    grad_out, out, dq = torch.randn_like(q), torch.randn_like(q), torch.full_like(q, float("nan"))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     lse = delta = torch.zeros(1, 4, 100)
-    cfg = GLUON_BACKWARD[D]
-    hopper.launch_gluon_backward(grad_out, q, k, v, out, lse, delta, dq, dk, dv, 0.1, cfg, (-1, 0), delta_here=True)
+    cfg = gluon_fused_backward_candidates(D)[0] if fused else GLUON_BACKWARD[D]
+    assert cfg.fused is fused
+    hopper.launch_gluon_backward(grad_out, q, k, v, out, lse, delta, dq, dk, dv, 0.1, cfg, (-1, 0),
+                                 delta_here=not fused)
     expected = {"dq": [(q, cfg.dq.block_m), (k, cfg.dq.block_n), (v, cfg.dq.block_n), (grad_out, cfg.dq.block_m),
                        (dq, cfg.dq.block_m)],
                 "dkdv": [(q, cfg.dkdv.block_m), (k, cfg.dkdv.block_n), (v, cfg.dkdv.block_n),
                          (grad_out, cfg.dkdv.block_m), (dk, cfg.dkdv.block_n), (dv, cfg.dkdv.block_n)]}
+    assert calls["dkdv"][-1] is fused  # FUSED_DQ
+    if fused:
+        del expected["dq"]
+        assert set(calls) == {"dkdv"}
+        acc = calls["dkdv"][6]
+        assert acc.base.dtype == torch.float32 and acc.base.shape == q.shape and acc.base.is_contiguous()
+        assert acc.block_shape == [1, 1, cfg.dkdv.block_m, head_dim_block(D)]
+        assert torch.equal(dq, torch.zeros_like(dq))
+        with pytest.raises(ValueError, match="delta_here"):
+            hopper.launch_gluon_backward(grad_out, q, k, v, out, lse, delta, dq, dk, dv, 0.1, cfg, (-1, 0),
+                                         delta_here=True)
     for name, tiles in expected.items():
         for desc, (t, rows) in zip(calls[name], tiles):
             assert desc.base is t and desc.block_shape == [1, 1, rows, head_dim_block(D)], name
             assert list(desc.shape) == list(t.shape) and list(desc.strides) == list(t.stride()), name
-    shared = [i for i, (t, rows) in enumerate(expected["dq"][:4]) if expected["dkdv"][i][1] == rows]
-    assert all(calls["dq"][i] is calls["dkdv"][i] for i in shared)
+    if not fused:
+        shared = [i for i, (t, rows) in enumerate(expected["dq"][:4]) if expected["dkdv"][i][1] == rows]
+        assert all(calls["dq"][i] is calls["dkdv"][i] for i in shared)
 
 
 @pytest.mark.gpu
@@ -610,11 +626,12 @@ def test_gluon_backward_launches_describe_each_tile_of_its_tensor(D, monkeypatch
     (200, 8, 2, 1500, 1000, True, (-1, -1)),    # D = 256 tiles (columns split between warpgroups), padded
 ])
 def test_gpu_gluon_backward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window, dtype):
-    """The Gluon kernels (sm90) with the sweep's candidates for this head dim, one per way of
-    laying out each kernel's resident block (rows and warps), on NaN-poisoned memory: gradients
-    within twice PyTorch's own error against float64, zero for rows that see no key, and bitwise
-    equal across runs."""
-    from flashmoe_science.attention.configs import gluon_backward_candidates
+    """The Gluon kernels (sm90) with the sweep's candidates for this head dim, split and (D <= 128)
+    fused, one per way of laying out each kernel's resident and streamed blocks (rows and warps),
+    on NaN-poisoned memory: gradients within twice PyTorch's own error against float64, zero for
+    rows that see no key, and bitwise equal across runs (dk and dv only, for the fused kernel,
+    whose reduce-adds into dq come in a varying order)."""
+    from flashmoe_science.attention.configs import gluon_backward_candidates, gluon_fused_backward_candidates
     from flashmoe_science.attention.reference import band_mask
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for sm90")
@@ -631,25 +648,31 @@ def test_gpu_gluon_backward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window
         leaves[0], leaves[1].repeat_interleave(group, 1), leaves[2].repeat_interleave(group, 1), attn_mask=mask[rows])
     theirs = torch.autograd.grad(sdpa, leaves, grad_out[:, :, rows])
     bounds = [2 * rel_error(t, ref) + 5e-4 for t, ref in zip(theirs, (refs[0][:, :, rows], refs[1], refs[2]))]
-    first, layouts = None, set()
-    for cfg in gluon_backward_candidates(head_dim_block(D)):
-        layout = (cfg.dkdv.block_n, cfg.dkdv.num_warps, cfg.dq.block_m, cfg.dq.num_warps)
-        if layout in layouts:
-            continue
-        layouts.add(layout)
+    block_d = head_dim_block(D)
+    layouts = {}
+    for cfg in [*gluon_backward_candidates(block_d), *(gluon_fused_backward_candidates(block_d) if block_d <= 128
+                                                       else ())]:
+        layout = (cfg.fused, cfg.dkdv.block_n, cfg.dkdv.num_warps, cfg.dkdv.block_m if cfg.fused else None,
+                  None if cfg.fused else cfg.dq.block_m, None if cfg.fused else cfg.dq.num_warps)
+        layouts.setdefault(layout, cfg)
+    checked_again = set()
+    for cfg in layouts.values():
         poison = [torch.full_like(t, float("nan")) for t in (q, k, v, q, k, v)]
         del poison
+        clear_records()
         grads = attention_backward(grad_out, q, k, v, out, lse, causal, None, window, config=cfg)
-        assert last_launch("attention_backward_dkdv_gluon").constexprs["BLOCK_N"] == cfg.dkdv.block_n
-        assert last_launch("attention_backward_dq_gluon").constexprs["BLOCK_M"] == cfg.dq.block_m
+        dkdv = last_launch("attention_backward_dkdv_gluon").constexprs
+        assert (dkdv["BLOCK_N"], dkdv["BLOCK_M"], dkdv["FUSED_DQ"]) == (cfg.dkdv.block_n, cfg.dkdv.block_m, cfg.fused)
+        dq = last_launch("attention_backward_dq_gluon")
+        assert (dq is None) if cfg.fused else dq.constexprs["BLOCK_M"] == cfg.dq.block_m
         for name, g, ref, bound in zip(("dq", "dk", "dv"), grads, refs, bounds):
             assert torch.isfinite(g).all(), (name, cfg)
             assert rel_error(g, ref) <= bound, (name, str(cfg), rel_error(g, ref), bound)
         assert torch.all(grads[0][:, :, ~rows] == 0)
-        if first is None:
-            first = grads
+        if cfg.fused not in checked_again:
+            checked_again.add(cfg.fused)
             again = attention_backward(grad_out, q, k, v, out, lse, causal, None, window, config=cfg)
-            assert all(torch.equal(a, b) for a, b in zip(grads, again))
+            assert all(torch.equal(a, b) for a, b in zip(grads[cfg.fused:], again[cfg.fused:]))
 
 
 @pytest.mark.gpu

@@ -332,7 +332,8 @@ class BackwardConfig:
         TMA reduce-adds (sm90, falling back to "atomic" where TMA cannot address the accumulator).
         The dispatch tables hold "kernel" only, so gradients are bitwise reproducible as the public
         functions promise: the fused paths sum in a varying order, and were measured slower (the
-        kernels' module docstring). They remain candidates of the backward sweep.
+        kernels' module docstrings). They remain candidates of the backward sweep; with gluon,
+        "tma" is the fused Gluon kernel (`fused`).
     tma: the kernels move their Q, K, V, dO tiles in and their gradient tiles out through tensor
         descriptors (the tensor memory accelerator, sm90) instead of pointer loads and stores: the
         same products in the same order, so the same bits. Dense 16-bit calls whose tensors TMA can
@@ -348,6 +349,11 @@ class BackwardConfig:
     dq_path: str = "kernel"
     tma: bool = False
     gluon: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether the Gluon dK/dV kernel adds dQ itself (dq_path "tma" with gluon): no dQ kernel."""
+        return self.gluon and self.dq_path == "tma"
 
     def __str__(self) -> str:
         loads = " gluon" if self.gluon else " tma" if self.tma else ""
@@ -584,6 +590,27 @@ def gluon_backward_candidates(block_d: int):
             yield BackwardConfig(base.dkdv, dq, tma=True, gluon=True)
 
 
+def gluon_fused_backward_candidates(block_d: int) -> list[BackwardConfig]:
+    """Fused Gluon backward configurations (`BackwardConfig.fused`) worth timing at a padded head
+    dim of at most 128 (16-bit, sm90): 128 resident keys on two warpgroups or 64 on one, 64 or 128
+    streamed query rows (at most 16 per warp: the dQ product splits them between the warps), 2 or
+    3 stages. Kept are those whose shared memory fits an H100 (K and V, Q and dO per stage, two
+    dS^T tiles and two fp32 dQ tiles) and whose fp32 tiles per thread (a warpgroup's share of dK,
+    dV, S^T, dP^T and dQ) stay at or below 256 registers; `ptxas -v` reports spills above 192
+    (at D = 128, 56 to 140 bytes). The dq field repeats dkdv: there is no dQ kernel."""
+    from ..device import SHARED_MEMORY_PER_BLOCK
+
+    budget = SHARED_MEMORY_PER_BLOCK[90] - 2 * 1024
+    found = []
+    for (keys, warps), rows, stages in product(((128, 8), (64, 4)), (64, 128), (2, 3)):
+        smem = 4 * block_d * (keys + rows * stages) + 4 * keys * rows + 8 * rows * block_d
+        regs = block_d + rows + rows * block_d // (32 * warps)
+        if rows <= 16 * warps and smem <= budget and regs <= 256:
+            cfg = AttentionConfig(rows, keys, warps, stages)
+            found.append(BackwardConfig(cfg, cfg, "tma", tma=True, gluon=True))
+    return found
+
+
 def _backward_builds(capability: int):
     from itertools import product
 
@@ -648,32 +675,40 @@ def _backward_builds(capability: int):
 
 def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
     """The Gluon backward kernels' builds (sm90) for one configuration, fp16 and bf16: the shared
-    memory layouts of the descriptors are part of the signature."""
+    memory layouts of the descriptors are part of the signature. A fused configuration
+    (`BackwardConfig.fused`) builds the dK/dV kernel only, with its fp32 dQ reduce descriptor."""
     from triton.experimental.gluon import language as gl
 
     from ..target_compile import KernelBuild
     from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 
-    def descriptors(sig, name, dtype, tiles):
-        for arg, rows in tiles.items():
-            layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], dtype)
-            sig[arg] = f"tensordesc<{name}[1,1,{rows},{block_d}],{layout!r}>"
+    def descriptor(dtype, rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], dtype)
+        name = {gl.float16: "fp16", gl.bfloat16: "bf16", gl.float32: "fp32"}[dtype]
+        return f"tensordesc<{name}[1,1,{rows},{block_d}],{layout!r}>"
 
+    fused = cfg.fused
     for name, dtype in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         dkdv, dq = cfg.dkdv, cfg.dq
         kernel = attention_backward_dkdv_gluon_kernel
         sig = {n: "i32" for n in kernel.arg_names}
-        descriptors(sig, name, dtype, dict(desc_q=dkdv.block_m, desc_do=dkdv.block_m, desc_k=dkdv.block_n,
-                                           desc_v=dkdv.block_n, desc_dk=dkdv.block_n, desc_dv=dkdv.block_n))
+        tiles = dict(desc_q=dkdv.block_m, desc_do=dkdv.block_m, desc_k=dkdv.block_n, desc_v=dkdv.block_n,
+                     desc_dk=dkdv.block_n, desc_dv=dkdv.block_n)
+        sig.update({arg: descriptor(dtype, rows) for arg, rows in tiles.items()})
+        sig["desc_dq"] = descriptor(gl.float32, dkdv.block_m) if fused else sig["desc_dk"]
         sig.update(LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
-        constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, NUM_STAGES=dkdv.num_stages)
+        constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, NUM_STAGES=dkdv.num_stages,
+                          FUSED_DQ=fused)
         sig.update({n: "constexpr" for n in constexprs})
-        yield KernelBuild(label=f"attention_backward_dkdv_gluon {name} D={block_d} {dkdv}", fn=kernel, signature=sig,
-                          constexprs=constexprs, num_warps=dkdv.num_warps, num_stages=1, aligned=("LSE", "DELTA"))
+        yield KernelBuild(label=f"attention_backward_dkdv_gluon {name} D={block_d} {dkdv}{' dq fused' * fused}",
+                          fn=kernel, signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps, num_stages=1,
+                          aligned=("LSE", "DELTA"))
+        if fused:
+            continue
         kernel = attention_backward_dq_gluon_kernel
         sig = {n: "i32" for n in kernel.arg_names}
-        descriptors(sig, name, dtype, dict(desc_q=dq.block_m, desc_do=dq.block_m, desc_dq=dq.block_m,
-                                           desc_k=dq.block_n, desc_v=dq.block_n))
+        tiles = dict(desc_q=dq.block_m, desc_do=dq.block_m, desc_dq=dq.block_m, desc_k=dq.block_n, desc_v=dq.block_n)
+        sig.update({arg: descriptor(dtype, rows) for arg, rows in tiles.items()})
         sig.update(O=f"*{name}", LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
         constexprs = dict(HEAD_DIM=block_d, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_D=block_d,
                           NUM_STAGES=dq.num_stages, DELTA_HERE=True)

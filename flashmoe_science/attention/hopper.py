@@ -136,10 +136,10 @@ def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config
 
 @functools.lru_cache(maxsize=None)
 def _gluon_layout(rows: int, block_d: int, dtype: torch.dtype):
-    """The shared-memory layout wgmma wants for a (1, 1, rows, block_d) tile (the widest swizzle
-    its rows allow)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d],
-                                                gl.float16 if dtype == torch.float16 else gl.bfloat16)
+    """The shared-memory layout wgmma (or, for fp32, the dQ reduce) wants for a (1, 1, rows,
+    block_d) tile: the widest swizzle its rows allow."""
+    element = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], element)
 
 
 def _gluon_descriptor(t: torch.Tensor, rows: int, block_d: int):
@@ -178,8 +178,10 @@ def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, persistent
 def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, scale, config, window, *, delta_here,
                           device_index=None, key=None) -> None:
     """The Gluon backward kernels (`_kernels/backward_gluon.py`) for dense (B, H, S, D) tensors:
-    the dQ kernel (which writes delta first when `delta_here`), then the dK/dV kernel. `config` is
-    a BackwardConfig; `window` and `key` as for `launch`."""
+    the dQ kernel (which writes delta first when `delta_here`), then the dK/dV kernel. A fused
+    config (`BackwardConfig.fused`) runs the dK/dV kernel alone, which adds dQ into a zeroed fp32
+    accumulator with TMA reduce-adds; dq is that times the scale (delta must be given: not
+    `delta_here`). `config` is a BackwardConfig; `window` and `key` as for `launch`."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     block_d = head_dim_block(head_dim)
@@ -192,21 +194,32 @@ def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, sca
             built[id(t), rows] = _gluon_descriptor(t, rows, block_d)
         return built[id(t), rows]
 
-    c = config.dq
-    num_m_blocks = -(-seqlen_q // c.block_m)
-    _GLUON_DQ.launch(
-        key, (num_m_blocks * batch * heads_q, 1, 1),
-        (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
-         describe(dq, c.block_m), out, lse, delta, scale, scale * _LOG2E, *out.stride()[:3],
-         *lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window,
-         head_dim, c.block_m, c.block_n, block_d, c.num_stages, delta_here),
-        num_warps=c.num_warps, num_stages=1, device_index=device_index)
+    fused = config.fused
+    if not fused:
+        c = config.dq
+        num_m_blocks = -(-seqlen_q // c.block_m)
+        _GLUON_DQ.launch(
+            key, (num_m_blocks * batch * heads_q, 1, 1),
+            (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
+             describe(dq, c.block_m), out, lse, delta, scale, scale * _LOG2E, *out.stride()[:3],
+             *lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window,
+             head_dim, c.block_m, c.block_n, block_d, c.num_stages, delta_here),
+            num_warps=c.num_warps, num_stages=1, device_index=device_index)
+    elif delta_here:
+        raise ValueError("the fused Gluon backward needs delta computed before it (delta_here=False)")
     c = config.dkdv
+    if fused:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq_target = _gluon_descriptor(dq_acc, c.block_m, block_d)
+    else:
+        dq_target = describe(dk, c.block_n)  # not read
     num_n_blocks = -(-seqlen_k // c.block_n)
     _GLUON_DKDV.launch(
         key, (num_n_blocks * batch * heads_kv, 1, 1),
         (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
-         describe(dk, c.block_n), describe(dv, c.block_n), lse, delta,
+         describe(dk, c.block_n), describe(dv, c.block_n), dq_target, lse, delta,
          scale, scale * _LOG2E, *lse_strides, heads_kv, group, seqlen_q, seqlen_k, num_n_blocks, *window,
-         c.block_m, c.block_n, block_d, c.num_stages),
+         c.block_m, c.block_n, block_d, c.num_stages, fused),
         num_warps=c.num_warps, num_stages=1, device_index=device_index)
+    if fused:
+        torch.mul(dq_acc, scale, out=dq)

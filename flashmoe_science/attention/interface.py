@@ -304,8 +304,10 @@ class _BackwardPlan:
                     and not (packed and self.dq_mode != DQ_MODES["kernel"])
                     and hopper.supports_backward(tensors[:5], head_dim))
         # Dense calls without softcap that take descriptors run the Gluon kernels where
-        # `configs.GLUON_BACKWARD` has them (they compute their own grids from the config).
-        gluon_ok = self.tma and not packed and not softcap and self.dq_mode == DQ_MODES["kernel"]
+        # `configs.GLUON_BACKWARD` has them (they compute their own grids from the config); a
+        # sweep may force the fused one (`BackwardConfig.fused`), which takes delta from the
+        # preprocess kernel as the Triton fused paths do.
+        gluon_ok = self.tma and not packed and not softcap and (self.dq_mode == DQ_MODES["kernel"] or cfg.fused)
         if gluon_ok and config is None:
             cfg = self.config = gluon_backward_config(info_for(q), q.element_size(), head_dim) or cfg
         self.gluon = cfg.gluon and gluon_ok

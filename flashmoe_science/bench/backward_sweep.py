@@ -15,7 +15,8 @@ calls of left window W instead (window_size=(W, 0)), written to attention_backwa
 With --dq-paths only the table's configuration and the candidates of those dQ paths run
 (`BackwardConfig.dq_path`), written to a file named after them (attention_backward_sweep_dq_tma).
 With --gluon the table's configuration and the Gluon kernels' candidates run (sm90, 16-bit),
-written to attention_backward_sweep_gluon.
+written to attention_backward_sweep_gluon; with --gluon --dq-paths tma, the split Gluon kernels'
+table entry and the fused Gluon kernel's candidates (attention_backward_sweep_gluon_dq_tma).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import sys
 
 import torch
 
-from ..attention.configs import backward_candidates, gluon_backward_candidates, head_dim_block
+from ..attention.configs import (GLUON_BACKWARD, backward_candidates, gluon_backward_candidates,
+                                 gluon_fused_backward_candidates, head_dim_block)
 from ..attention.interface import attention_backward, attention_forward
 from ..device import info_for
 from .common import attention_flops, environment, progress, rel_error, time_gpu, write_results
@@ -59,7 +61,12 @@ def sweep(head_dims=(64, 128, 256), seqlens=(4096,), causals=(False, True), dtyp
 
         candidates = backward_candidates(family, q.element_size(), head_dim_block(head_dim), dq_paths)
         if gluon:
-            candidates = [next(candidates), *gluon_backward_candidates(head_dim_block(head_dim))]
+            block_d = head_dim_block(head_dim)
+            if dq_paths is not None and "tma" in dq_paths:  # the fused kernel, after the split one
+                extra = [c for c in (GLUON_BACKWARD.get(block_d),) if c] + gluon_fused_backward_candidates(block_d)
+            else:
+                extra = list(gluon_backward_candidates(block_d))
+            candidates = [next(candidates), *extra]
         for rank, cfg in enumerate(candidates):
             row = dict(head_dim=head_dim, seqlen=seqlen, causal=causal, window=window, table_config=rank == 0,
                        config=str(cfg), dkdv=_fields(cfg.dkdv), dq=_fields(cfg.dq), dq_path=cfg.dq_path,
