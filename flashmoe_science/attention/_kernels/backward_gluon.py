@@ -153,6 +153,7 @@ def attention_backward_dkdv_gluon_kernel(
     if FUSED_DQ:  # two of each: step j writes one while step j - 1's products and reduce read the other
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, BLOCK_D], desc_dq.layout)
+        dq_init = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -172,7 +173,6 @@ def attention_backward_dkdv_gluon_kernel(
     s_init = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, layout=acc_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, layout=acc_layout))
-    dq_init = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=dq_layout)
     p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=op_layout)
     ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=op_layout)
     k = k_smem.reshape([BLOCK_N, BLOCK_D])
