@@ -12,7 +12,10 @@ this record to prove which kernel and configuration ran.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import inspect
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +32,36 @@ _INTERPRETED = interpreter_active()
 
 def _current_stream(device: int) -> int:
     return driver.active.get_current_stream(device)
+
+
+_THREAD = threading.local()
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _bind_context(device: int) -> None:
+    """Makes `device`'s primary CUDA context current on this thread if none is, once per thread.
+    Triton 3.6 encodes a kernel's TMA descriptors (`cuTensorMapEncodeTiled`) before its launcher
+    binds a context, so on a thread that has not touched CUDA through the driver yet (autograd's
+    backward thread, when attention's backward is the first node it runs; a user's worker
+    thread) the encoding fails with "invalid device context". This is what Triton's launcher
+    itself does before a launch."""
+    bound = getattr(_THREAD, "devices", None)
+    if bound is None:
+        bound = _THREAD.devices = set()
+    if device in bound:
+        return
+    cuda = _libcuda()
+    ctx = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and not ctx.value:
+        handle = ctypes.c_int()
+        if cuda.cuDeviceGet(ctypes.byref(handle), device) == 0 and \
+                cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle) == 0:
+            cuda.cuCtxSetCurrent(ctx)
+    bound.add(device)
 
 
 @dataclass(frozen=True)
@@ -83,6 +116,7 @@ class KernelLauncher:
             with torch.cuda.device(device_index):
                 return self.launch(key, grid, args, num_warps=num_warps, num_stages=num_stages,
                                    device_index=device_index)
+        _bind_context(device)
         entry = self._compiled.get(key) if key is not None else None
         if entry is None:
             compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)

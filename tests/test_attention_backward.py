@@ -740,3 +740,38 @@ def test_backward_sweep_of_a_sliding_window_times_every_candidate_alike(device):
     timed = [r for r in rows if "ms" in r]
     assert len(timed) == len(rows) and all(r["rel_diff_vs_table"] < 1e-5 for r in timed)
     assert backward_sweep.best_per_case(rows)[0].startswith("D=16 S=40 causal=True")
+
+
+@pytest.mark.gpu
+def test_gpu_descriptor_kernels_launch_from_a_thread_new_to_cuda():
+    """A thread that has made no CUDA call yet (as autograd's backward thread is when attention's
+    backward is the first node it runs) launches the TMA-descriptor kernels: forward and backward
+    on sm90 (Gluon at D = 128), the generic kernels elsewhere."""
+    import threading
+
+    q, k, v, grad_out = (torch.randn(2, 4096, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                         for _ in range(4))
+    # Compiled and cached here first: a first launch compiles, and loading the binary binds a context.
+    ref_out, ref_lse = flash_attention_forward(q, k, v, causal=True)
+    ref_grads = flash_attention_backward(grad_out, q, k, v, ref_out, ref_lse, causal=True)
+    torch.cuda.synchronize()
+    results, errors = [], []
+
+    def work():
+        try:
+            out, lse = flash_attention_forward(q, k, v, causal=True)
+            results.append((out, *flash_attention_backward(grad_out, q, k, v, out, lse, causal=True)))
+            torch.cuda.synchronize()
+        except Exception as exc:  # reported on the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, repr(errors)
+    out, *grads = results[0]
+    assert torch.equal(out, ref_out)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert torch.equal(g, r), name
+    for name, g, r in zip(("dq", "dk", "dv"), grads, reference_grads(q, k, v, grad_out, True)):
+        assert rel_error(g, r) < 1e-2, name
