@@ -32,7 +32,10 @@ for stage in "${stages[@]}"; do
         --junitxml="$RESULTS/gpu_tests.xml" $TESTS 2>&1 | tail -n 40 | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
     sweep) bench attention --sweep --seqlens 4096 --no-plot ;;
     hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
-    gluon-sweep) bench attention --sweep-hopper --sweep-gluon --seqlens "${SEQLENS:-2048,4096,16384}" --no-plot ;;
+    gluon-sweep)  # EXP_POLYS: exp_poly values to time each candidate with; GLUON_TILES: only these Gluon tiles
+      bench attention --sweep-hopper --sweep-gluon --head-dims "${HEAD_DIMS:-64,128,256}" \
+        --seqlens "${SEQLENS:-2048,4096,16384}" --exp-polys "${EXP_POLYS:-0}" \
+        ${GLUON_TILES:+--gluon-tiles "$GLUON_TILES"} --no-plot ;;
     backward-sweep)
       python3 -m flashmoe_science.bench.backward_sweep --head-dims "${HEAD_DIMS:-128}" --seqlens 4096 \
         ${DQ_PATHS:+--dq-paths "$DQ_PATHS"} ${GLUON:+--gluon} --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;

@@ -31,9 +31,16 @@ def _bench(args) -> int:
 
     module = importlib.import_module(f"flashmoe_science.bench.{args.op}")
     args.progress = progress
+    command = " ".join(sys.argv[1:])
+    partial = f"{args.op}_partial"
+    # Rows measured so far, rewritten as they come (`bench.attention.run`), removed once the run ends.
+    args.checkpoint = lambda rows: write_results(args.out, partial, rows,
+                                                 {**environment(), "command": command, "partial": True})
     result = module.run(args)
-    meta = {**environment(), **result.get("meta", {}), "command": " ".join(sys.argv[1:])}
+    meta = {**environment(), **result.get("meta", {}), "command": command}
     json_path, csv_path = write_results(args.out, result["name"], result["rows"], meta)
+    for suffix in (".json", ".csv"):
+        (json_path.parent / (partial + suffix)).unlink(missing_ok=True)
     written = [json_path, csv_path]
     if not args.no_plot and hasattr(module, "plot"):
         png = json_path.with_suffix(".png")

@@ -36,8 +36,13 @@ def test_varlen_lengths_are_reproducible_and_fit():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers this at real sizes")
 def test_varlen_and_window_sections_rows_and_report():
-    result = attention.run(parse("--mode", "fwd+bwd", "--sections", "varlen,window"))
+    args = parse("--mode", "fwd+bwd", "--sections", "varlen,window")
+    saved = []
+    args.checkpoint = lambda rows: saved.append(list(rows))
+    result = attention.run(args)
     assert result["name"] == "attention_varlen_window_fwd_bwd"
+    # Each section's end hands over every row so far: a run cut in the second keeps the first's.
+    assert saved[-1] == result["rows"] and saved[0] == [r for r in result["rows"] if r["section"] == "varlen"]
     work = attention.INTERPRETER_WORKLOAD
     varlen = [r for r in result["rows"] if r["section"] == "varlen"]
     assert {(r["impl"], r["causal"]) for r in varlen} == set(itertools.product(("ours", "sdpa_padded"), (False, True)))

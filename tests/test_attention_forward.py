@@ -322,7 +322,7 @@ def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
     clear_records()
     out = flash_attention_science(q, k, v, causal=causal, softmax_scale=scale)
     gluon = gluon_forward_config(head_dim_block(D), causal, seqlen_k) is not None
-    assert gluon is (D > 64 or not causal)
+    assert gluon is (D > 64 or not causal or seqlen_k >= 4096)
     ran = "attention_forward_gluon" if gluon else "attention_forward_hopper"
     assert last_launch(ran) is not None and last_launch("attention_forward") is None
     ref, _ = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
@@ -341,6 +341,7 @@ def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
     (128, 16, 1, 4000, 1100, True, (-1, -1)),   # MQA, Sq > Sk: whole consumers see no key
     (128, 8, 4, 3000, 3000, True, (500, 0)),    # a causal sliding window
     (64, 16, 2, 1100, 5000, False, (-1, -1)),   # three consumers (unmasked, many keys), Sq not a tile multiple
+    (64, 16, 4, 4096, 4096, True, (-1, -1)),    # two consumers, causal (the Triton kernel below 4096 keys)
 ])
 def test_gpu_gluon_forward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window, dtype):
     """The Gluon kernel (sm90; every shape above the FLOPs the Hopper path starts at): outputs and
@@ -433,3 +434,29 @@ def test_gpu_gluon_forward_persistent_matches_a_program_per_tile(D, B, Hq, Hkv, 
                                             write_lse=True, window_size=window) for persistent in (True, False)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     _check_banded_forward(q, k, v, *runs[0], causal, window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poly", [1, 2, 3])
+@pytest.mark.parametrize("kernel,D,Sq,Sk,causal,scale", [
+    ("gluon", 64, 2000, 2000, True, None),     # three consumers, masked diagonal blocks stay on the MUFU
+    ("gluon", 64, 1100, 5000, False, 1.0),     # scores spread over ~50 powers of two
+    ("gluon", 128, 1500, 1500, True, 4.0),     # exponents far below the polynomial's clamp at -126
+    ("hopper", 64, 3000, 3000, True, None),
+    ("hopper", 64, 1500, 3500, False, 4.0),
+])
+def test_gpu_forwards_with_exp_poly_match_reference(kernel, D, Sq, Sk, causal, scale, poly):
+    """The Hopper forwards with `exp_poly` of every four exponentials on the FMA pipes (sm90):
+    outputs and lse against float64 within twice SDPA's error, as with the MUFU alone."""
+    import dataclasses
+
+    from flashmoe_science.attention import hopper
+    from flashmoe_science.attention.configs import HOPPER_FORWARD, gluon_forward_config
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels are for sm90")
+    shipped = gluon_forward_config(head_dim_block(D), False, Sk) if kernel == "gluon" else HOPPER_FORWARD[D]
+    cfg = dataclasses.replace(shipped, exp_poly=poly)
+    q, k, v = make_qkv(2, 8, 2, Sq, Sk, D, torch.bfloat16, "cuda", layout="bshd")
+    out, lse = hopper.attention_forward_hopper(q, k, v, causal, D ** -0.5 if scale is None else scale, cfg,
+                                               gluon=kernel == "gluon", write_lse=True)
+    _check_banded_forward(q, k, v, out, lse, causal, (-1, -1), scale=scale)

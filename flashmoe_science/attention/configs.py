@@ -29,13 +29,19 @@ from ..device import DeviceInfo
 
 @dataclass(frozen=True)
 class AttentionConfig:
+    """Tile shape, warps and pipeline stages of one kernel. exp_poly (the Hopper forwards only):
+    how many of every four exponentials of the unmasked key blocks run on the FMA pipes instead
+    of the special-function unit (`_kernels/exp2.py`)."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    exp_poly: int = 0
 
     def __str__(self) -> str:
-        return f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages}"
+        poly = f" exp_poly={self.exp_poly}" if self.exp_poly else ""
+        return f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages}{poly}"
 
 
 def head_dim_block(head_dim: int) -> int:
@@ -121,13 +127,20 @@ HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 6
 #   At S = 512 causal the Triton kernel's 64-row tiles win (243 against 229).
 # - D = 256, 128 x 64: 474 ... 738 against 332 ... 478; causal 301 ... 716 against 220 ... 494.
 # - D = 64: two consumers (128 x 128) below 2048 keys, three (192 x 128) from there, unmasked:
-#   352 / 404 / 465 / 471 / 507 / 505 against 327 / 392 / 433 / 422 / 428 / 429. Causal only from
-#   8192 keys (443 / 520 against 408 / 426): below, the Triton kernel is as fast or faster
-#   (S = 2048: 352 against 356 at best), and the transformer-block benchmark's attention stays on it.
-# Softcapped calls stay on the Triton kernel (the Gluon kernel has no softcap).
+#   352 / 404 / 465 / 471 / 507 / 505 against 327 / 392 / 433 / 422 / 428 / 429. Causal from 8192
+#   keys 192 x 128 (443 / 520 against 408 / 426); at 4096 keys two consumers (128 x 128,
+#   persistent), 3-4% ahead in three H100 measurements (412 against 398; 403 against 346 in
+#   benchmarks/results/attention_hopper_sweep_gluon_exp_poly.json; 406 against 391 in an interleaved
+#   A/B, three rounds a side); below, the Triton kernel is as fast (S = 2048: 349 against 354 in that
+#   A/B), and the transformer-block benchmark's attention stays on it.
+# Softcapped calls stay on the Triton kernel (the Gluon kernel has no softcap). Every entry keeps
+# exp_poly = 0: moving a quarter or half of the exponentials to the FMA pipes
+# (`_kernels/exp2.py`) was slower in nearly every case of the sweep above (192 x 128 at S = 16384:
+# 448 and 421 against 510 unmasked): at D = 64 the softmax is bound by instruction issue, not
+# by the MUFU, and the polynomial adds nine instructions for each exponential it takes over.
 GLUON_FORWARD = {
     64: ([(0, AttentionConfig(128, 128, 4, 2)), (2048, AttentionConfig(192, 128, 4, 2))],
-         [(8192, AttentionConfig(192, 128, 4, 2))]),
+         [(4096, AttentionConfig(128, 128, 4, 2)), (8192, AttentionConfig(192, 128, 4, 2))]),
     128: ([(0, AttentionConfig(128, 128, 4, 2))], [(1024, AttentionConfig(128, 128, 4, 2))]),
     256: ([(0, AttentionConfig(128, 64, 4, 2))], [(0, AttentionConfig(128, 64, 4, 2))]),
 }
@@ -281,7 +294,8 @@ def _hopper_builds(capability: int):
                 sig[name] = f"tensordesc<fp16[1,1,{rows},{block_d}]>"
             sig.update(LSE="*fp32", scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
             constexprs = dict(BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-                              SOFTCAP=softcap, WRITE_LSE=True, WARP_SPECIALIZE=False)
+                              SOFTCAP=softcap, WRITE_LSE=True, WARP_SPECIALIZE=False,
+                              EXP_POLY=cfg.exp_poly)
             sig.update({name: "constexpr" for name in constexprs})
             yield KernelBuild(label=f"attention_forward_hopper fp16 D={block_d} causal={causal} softcap={softcap} "
                                     f"{cfg}", fn=attention_forward_hopper_kernel, signature=sig,
@@ -311,7 +325,8 @@ def _gluon_builds():
             sig.update(LSE="*fp32", scale_log2="fp32")
             constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
                               CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
-                              SEPARATE_O=gluon_separate_output(cfg, block_d), PERSISTENT=persistent)
+                              SEPARATE_O=gluon_separate_output(cfg, block_d), PERSISTENT=persistent,
+                              EXP_POLY=cfg.exp_poly)
             sig.update({n: "constexpr" for n in constexprs})
             yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} "
                                     f"persistent={persistent} {cfg}",

@@ -106,7 +106,8 @@ def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_sp
          describe(out, config.block_m), out if lse is None else lse,
          scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E, heads_q * seqlen_q, seqlen_q,
          heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
-         block_d, config.block_m, config.block_n, causal, softcap > 0, lse is not None, warp_specialize),
+         block_d, config.block_m, config.block_n, causal, softcap > 0, lse is not None, warp_specialize,
+         config.exp_poly),
         num_warps=config.num_warps, num_stages=config.num_stages, device_index=device_index)
 
 
@@ -171,7 +172,7 @@ def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, persistent
          out if lse is None else lse, scale * _LOG2E, heads_q * seqlen_q, seqlen_q,
          heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks, batch * heads_q, section, *window,
          rows, config.block_n, block_d, config.num_stages, causal, lse is not None, consumers,
-         gluon_separate_output(config, block_d), persistent),
+         gluon_separate_output(config, block_d), persistent, config.exp_poly),
         num_warps=4, num_stages=1, device_index=device_index)
 
 

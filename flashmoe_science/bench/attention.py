@@ -63,6 +63,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--window", type=int, default=None,
                         help="with --sweep or --sweep-hopper: time causal sliding-window calls of this left window "
                              "(window_size=(W, 0)) instead of plain and causal ones")
+    parser.add_argument("--exp-polys", default="0",
+                        help="with --sweep-hopper: time each Hopper candidate with each of these exp_poly values "
+                             "(how many of every four exponentials run on the FMA pipes, 0 to 3)")
+    parser.add_argument("--gluon-tiles", default=None,
+                        help="with --sweep-hopper: only these Gluon candidates, as ROWSxBLOCK_NsSTAGES "
+                             "(such as 192x128s2,128x128s2)")
 
 
 def _ints(text):
@@ -260,6 +266,7 @@ def _throughput(args, device):
                     ratio, lo, hi = speedup_interval(timings["ours"], timings[row["impl"]])
                     row.update(ours_speedup=ratio, ours_speedup_ci=[lo, hi])
         del inputs
+        args.checkpoint(rows)
     return rows
 
 
@@ -639,6 +646,10 @@ GLUON_CANDIDATES = {64: [(128, 128, 2), (128, 128, 3), (192, 128, 2), (192, 128,
                     256: [(128, 64, 2), (128, 32, 3)]}
 
 
+def _poly_label(poly: int) -> str:
+    return f" poly{poly}" if poly else ""
+
+
 def _hopper_sweep(args, device):
     """The Hopper TMA kernel (with and without warp specialisation) and the Gluon kernel against the
     generic kernel's shipped configuration, on the throughput shapes; errors are relative to the
@@ -646,6 +657,8 @@ def _hopper_sweep(args, device):
     from ..attention import hopper
     from ..attention.configs import AttentionConfig
     from ..attention.interface import attention_forward
+    polys = _ints(args.exp_polys)
+    tiles = None if args.gluon_tiles is None else set(args.gluon_tiles.split(","))
     rows = []
     for head_dim, seqlen, causal, window in args.progress(_sweep_cases(args), desc="attention hopper sweep"):
         heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
@@ -677,30 +690,39 @@ def _hopper_sweep(args, device):
         triton_candidates = HOPPER_CANDIDATES.get(head_dim, [])
         if args.sweep_gluon:
             shipped = HOPPER_FORWARD.get(head_dim)
-            triton_candidates = [] if shipped is None else [astuple(shipped)]
-        for (bm, bn, warps, stages), ws in itertools.product(triton_candidates, (False, True)):
+            triton_candidates = [] if shipped is None else [astuple(shipped)[:4]]
+        for (bm, bn, warps, stages), ws, poly in itertools.product(triton_candidates, (False, True), polys):
             if ws and warps < 8:
                 continue
-            cfg = AttentionConfig(bm, bn, warps, stages)
-            rows.append(timed(f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}",
+            cfg = AttentionConfig(bm, bn, warps, stages, poly)
+            rows.append(timed(f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}{_poly_label(poly)}",
                               lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws,
                                                                       window_size=window)))
-        for (bm, bn, stages), persistent in itertools.product(GLUON_CANDIDATES.get(head_dim, []), (True, False)):
-            cfg = AttentionConfig(bm, bn, 4, stages)
-            rows.append(timed(f"gluon {bm}x{bn} s{stages}{'' if persistent else ' grid=tiles'}",
+        gluon_candidates = [c for c in GLUON_CANDIDATES.get(head_dim, [])
+                            if tiles is None or "%dx%ds%d" % c in tiles]
+        for (bm, bn, stages), persistent, poly in itertools.product(gluon_candidates, (True, False), polys):
+            cfg = AttentionConfig(bm, bn, 4, stages, poly)
+            rows.append(timed(f"gluon {bm}x{bn} s{stages}{'' if persistent else ' grid=tiles'}{_poly_label(poly)}",
                               lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, gluon=True,
                                                                       persistent=persistent, window_size=window)))
+        args.checkpoint(rows)
     return rows
 
 
 def run(args) -> dict:
+    """The benchmark's rows. `args.checkpoint(rows)`, where the caller sets it (`cli`), is handed
+    the rows measured so far after each shape of the long sections, so a run cut short by a time
+    limit still leaves them."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    checkpoint = getattr(args, "checkpoint", None) or (lambda rows: None)
+    args.checkpoint = checkpoint
     meta = {"mode": args.mode, "tokens_per_batch": TOKENS, "hidden": HIDDEN}
     suffix = "" if args.window is None else f"_window{args.window}"
     if args.sweep:
         return {"name": f"attention_sweep{suffix}", "rows": _sweep(args, device), "meta": meta}
     if args.sweep_hopper:
-        name = f"attention_hopper_sweep{'_gluon' if args.sweep_gluon else ''}{suffix}"
+        poly = "_exp_poly" if _ints(args.exp_polys) != [0] else ""
+        name = f"attention_hopper_sweep{'_gluon' if args.sweep_gluon else ''}{poly}{suffix}"
         return {"name": name, "rows": _hopper_sweep(args, device), "meta": meta}
     default = ["overhead", "small", "throughput"] if args.mode == "fwd" else ["throughput", "memory", "train"]
     sections = args.sections.split(",") if args.sections else default
@@ -712,17 +734,21 @@ def run(args) -> dict:
         # No GPU: through Triton's interpreter at small size; timings are CPU timings.
         meta["note"] = "no GPU: Triton CPU interpreter at small size; timings are not GPU figures"
         if not separate:
-            return {"name": "attention_interpreter", "rows": _small(args, device), "meta": meta}
+            rows = _small(args, device)
+            checkpoint(rows)
+            return {"name": "attention_interpreter", "rows": rows, "meta": meta}
     work = GPU_WORKLOAD if device.type == "cuda" else INTERPRETER_WORKLOAD
     if separate:
         meta.update(workload={k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(work).items()})
     rows = []
     for section in sections:
+        args.checkpoint = lambda section_rows, done=list(rows): checkpoint(done + section_rows)
         if section in WORKLOAD_SECTIONS:
             rows += WORKLOAD_SECTIONS[section](args, device, work)
         else:
             rows += {"overhead": _overhead, "small": _small, "throughput": _throughput, "memory": _memory,
                      "train": _train}[section](args, device)
+        checkpoint(rows)
     name = "attention_" + "_".join(sections + [mode]) if separate else "attention_" + mode
     return {"name": name, "rows": rows, "meta": meta}
 

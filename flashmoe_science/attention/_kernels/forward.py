@@ -19,6 +19,7 @@ each sequence's start, and programs past a short sequence's end return at once.
 import triton
 import triton.language as tl
 
+from .exp2 import exp2_split
 from .tiles import load_tile
 
 UNBOUNDED = tl.constexpr(1 << 30)
@@ -102,14 +103,15 @@ def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q, seq
 
 @triton.jit
 def softmax_step(acc, l_i, m_i, qk, v, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
-                 softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                 softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EXP_POLY: tl.constexpr = 0):
     """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits s * mult
     (softcapped if asked), masked to the band on edge blocks, then rescale and accumulate p.v.
 
     On the blocks every row fully sees (the bulk of the work), the multiplier is folded into the
     exponent's one FMA and the row maximum is taken over the unscaled scores: max(s) * mult =
     max(s * mult) as mult >= 0 (`run_forward` negates q for a negative softmax_scale). That saves
-    a multiply per score."""
+    a multiply per score. There, EXP_POLY of every four exponentials run on the FMA pipes
+    (`exp2.exp2_split`; 0 under the interpreter, which has no inline PTX)."""
     if SOFTCAP:
         s = tanh(qk * softcap_scale)  # softcap * tanh(score / softcap) = softcap_log2 * s in base 2
         mult = softcap_log2
@@ -127,7 +129,7 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, cols, seqlen_k, diag_lo, diag_hi,
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
         m_sub = m_new
-        p = tl.math.exp2(s * mult - m_sub[:, None])
+        p = exp2_split(s * mult - m_sub[:, None], EXP_POLY)
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]

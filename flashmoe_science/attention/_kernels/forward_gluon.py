@@ -32,13 +32,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .exp2 import exp2_split
 from .forward import band_blocks, band_diagonals
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, MASKED: gl.constexpr):
+def _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, MASKED: gl.constexpr,
+             EXP_POLY: gl.constexpr):
     """One key block of the online softmax in base 2 (as `forward.softmax_step`): returns the
-    probabilities p, the new row sums and maxima, and alpha, the factor that rescales O."""
+    probabilities p, the new row sums and maxima, and alpha, the factor that rescales O. Unmasked
+    blocks compute EXP_POLY of every four exponentials on the FMA pipes (`exp2.exp2_split`)."""
     if MASKED:
         rel = cols[None, :] - offs_m[:, None]
         visible = (cols[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo)
@@ -49,20 +52,23 @@ def _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, 
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         m_sub = m_new
-        p = gl.exp2(s * scale_log2 - m_sub[:, None])
+        p = exp2_split(s * scale_log2 - m_sub[:, None], EXP_POLY)
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, l_i, m_new, alpha
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k, diag_lo, diag_hi, scale_log2):
+def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k, diag_lo, diag_hi, scale_log2,
+                   EXP_POLY: gl.constexpr):
     """`_softmax` of the key block at start_n: masked on the band's edges, plain in [full_lo, full_hi)."""
     cols = start_n + offs_n
     if (start_n < full_lo) | (start_n >= full_hi):
-        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, True)
+        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, True,
+                                      EXP_POLY)
     else:
-        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, False)
+        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, False,
+                                      EXP_POLY)
     return p, l_i, m_i, alpha
 
 
@@ -183,7 +189,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
                   seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                  SEPARATE_O: gl.constexpr):
+                  SEPARATE_O: gl.constexpr, EXP_POLY: gl.constexpr):
     """Consumer C's rows [C * BLOCK_M, (C + 1) * BLOCK_M) of one tile; `it` counts buffer uses
     across tiles (returned after this tile). It computes only the key blocks its own rows meet,
     gives the tile's others back unread, and releases each K and V buffer as soon as its own
@@ -234,7 +240,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(use % NUM_STAGES), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + first * BLOCK_N, full_lo, full_hi,
-                                              seqlen_k, diag_lo, diag_hi, scale_log2)
+                                              seqlen_k, diag_lo, diag_hi, scale_log2, EXP_POLY)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
     for j in range(first + 1, last):
@@ -249,7 +255,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + j * BLOCK_N, full_lo, full_hi,
-                                              seqlen_k, diag_lo, diag_hi, scale_log2)
+                                              seqlen_k, diag_lo, diag_hi, scale_log2, EXP_POLY)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
@@ -292,7 +298,7 @@ def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_r
               batch_heads, section, window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              PERSISTENT: gl.constexpr, EXP_POLY: gl.constexpr):
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
     if PERSISTENT:
         num_tiles = batch_heads * num_m_blocks
@@ -304,12 +310,12 @@ def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_r
                                    q_empty, k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh,
                                    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                                    diag_lo, diag_hi, C, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE,
-                                   NUM_CONSUMERS, SEPARATE_O)
+                                   NUM_CONSUMERS, SEPARATE_O, EXP_POLY)
     else:
         _consume_tile(gl.program_id(0), 0, 0, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                       k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size,
                       seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C, BLOCK_M, BLOCK_N,
-                      BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
+                      BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, EXP_POLY)
     tma.store_wait(0)
 
 
@@ -320,7 +326,7 @@ def attention_forward_gluon_kernel(
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    PERSISTENT: gl.constexpr, EXP_POLY: gl.constexpr,
 ):
     """num_warps = 4 (the first consumer), NUM_CONSUMERS - 1 more four-warp consumers and a one-warp
     producer; NUM_CONSUMERS * BLOCK_M query rows per tile of `_tile_coordinates`' order. PERSISTENT:
@@ -359,11 +365,13 @@ def attention_forward_gluon_kernel(
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
+                         EXP_POLY)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
+                         EXP_POLY)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                          window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
@@ -373,15 +381,18 @@ def attention_forward_gluon_kernel(
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
+                         EXP_POLY)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
+                         EXP_POLY)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 2, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
+                         EXP_POLY)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                          window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),

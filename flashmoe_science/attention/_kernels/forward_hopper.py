@@ -7,7 +7,8 @@ fills rows past the end of the sequence, and columns past head_dim, with zeros; 
 store drops them. So no load or store carries a mask: only scores on the band's edges are
 masked, exactly as in the generic kernel. With WARP_SPECIALIZE, Triton splits the unmasked
 loop into a producer warp issuing TMA copies and consumer warpgroups issuing wgmma, so memory
-traffic overlaps the matrix and exponential work.
+traffic overlaps the matrix and exponential work. EXP_POLY of every four exponentials of the
+unmasked blocks run on the FMA pipes (`exp2.py`).
 """
 import triton
 import triton.language as tl
@@ -18,13 +19,14 @@ from .forward import finish, program_coordinates, softmax_step, visible_band
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, lo, hi, offs_m, offs_n, seqlen_k, diag_lo, diag_hi,
                   scale_log2, softcap_scale, softcap_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                  EXP_POLY: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = desc_k.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         v = desc_v.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n + offs_n, seqlen_k, diag_lo, diag_hi,
-                                     scale_log2, softcap_scale, softcap_log2, MASKED, SOFTCAP)
+                                     scale_log2, softcap_scale, softcap_log2, MASKED, SOFTCAP, EXP_POLY)
     return acc, l_i, m_i
 
 
@@ -36,6 +38,7 @@ def attention_forward_hopper_kernel(
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    EXP_POLY: tl.constexpr,
 ):
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
 
@@ -51,13 +54,13 @@ def attention_forward_hopper_kernel(
                                                                BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, lo, tl.minimum(full_lo, hi), offs_m,
                                   offs_n, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, True, SOFTCAP, False)
+                                  BLOCK_N, BLOCK_D, True, SOFTCAP, False, 0)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, full_lo, full_hi, offs_m, offs_n,
                                   seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, False, SOFTCAP, WARP_SPECIALIZE)
+                                  BLOCK_N, BLOCK_D, False, SOFTCAP, WARP_SPECIALIZE, EXP_POLY)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, full_hi, hi, offs_m, offs_n,
                                   seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, True, SOFTCAP, False)
+                                  BLOCK_N, BLOCK_D, True, SOFTCAP, False, 0)
 
     out, lse = finish(acc, l_i, m_i)
     desc_o.store([b, h, pid_m * BLOCK_M, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
