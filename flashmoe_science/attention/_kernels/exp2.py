@@ -13,12 +13,13 @@ computes EXP_POLY of every four elements that way (0: all on the MUFU, `tl.math.
     2**f ~ c0 + f (c1 + f (c2 + f c3))  (`EXP2_POLY`, three FMAs)
     result bits = bits(2**f) + (bits(n) << 23)   adds floor(t) to the exponent field
 
-Ten instructions (the movs are free), none on the MUFU. The cubic is the minimax fit of 2**f on [0, 1) in relative
-error (Lawson's iteration on 20001 points): 7.5e-5, and 1.5e-4 at most over the whole range
-with float32 rounding (`tests/test_attention_exp2.py` checks an emulation of these steps), far
-below bf16's 3.9e-3 half-ulp. Only for blocks whose scores are all finite and at most 0 after
-the row maximum is subtracted (the unmasked blocks of the forward): -inf (masked scores) gives
-2**-126, not 0, which would give rows that see no key a nonzero sum.
+Nine instructions (and register moves, which cost nothing), none on the MUFU. The cubic is the
+minimax fit of 2**f on [0, 1) in relative error (Lawson's iteration on 20001 points): 7.5e-5,
+and 1.5e-4 at most over the whole range with float32 rounding (`tests/test_attention_exp2.py`
+runs these instructions), far below bf16's 3.9e-3 half-ulp. Only for blocks whose scores are
+all finite and at most 0 after the row maximum is subtracted (the unmasked blocks of the
+forward): -inf (masked scores) gives 2**-126, not 0, which would give rows that see no key a
+nonzero sum.
 
 Inline PTX: GPU only, never under the interpreter (EXP_POLY = 0 there).
 """
@@ -34,7 +35,7 @@ _MAGIC = 1.5 * 2**23
 
 
 def _f32(value: float) -> str:
-    """A PTX float32 literal (0fXXXXXXXX) of `value` rounded to float32."""
+    """The PTX float32 literal ("0f" and eight hex digits) of `value` rounded to float32."""
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
 
 
