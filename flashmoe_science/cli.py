@@ -34,8 +34,8 @@ def _bench(args) -> int:
     command = " ".join(sys.argv[1:])
     partial = f"{args.op}_partial"
     # Rows measured so far, rewritten as they come (`bench.attention.run`), removed once the run ends.
-    args.checkpoint = lambda rows: write_results(args.out, partial, rows,
-                                                 {**environment(), "command": command, "partial": True})
+    partial_meta = {**environment(), "command": command, "partial": True}
+    args.checkpoint = lambda rows: write_results(args.out, partial, rows, partial_meta)
     result = module.run(args)
     meta = {**environment(), **result.get("meta", {}), "command": command}
     json_path, csv_path = write_results(args.out, result["name"], result["rows"], meta)
