@@ -306,27 +306,31 @@ def test_default_scale_is_inverse_sqrt_head_dim(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,causal,scale", [(128, False, None), (128, True, None), (256, True, None),
                                             (80, True, None), (64, False, None), (64, True, None), (48, True, None),
-                                            (128, True, -0.09), (64, False, -0.2)])
+                                            (128, True, -0.09), (64, False, -0.2), (64, True, 0.0),
+                                            (128, True, 0.0)])
 def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
     """Large 16-bit calls on sm90 take the TMA kernels: the Gluon kernel where `GLUON_FORWARD` says
-    (every padded head dim 128 and 256 call here, 64 unmasked), the Triton one otherwise. Head
-    dims below the tile (80 in a 128 tile, 48 in 64) rely on the descriptor's zero fill and clipped
-    store; a negative scale runs on a negated q."""
+    (every padded head dim 128 and 256 call here, 64 unmasked), the Triton one otherwise (64 causal
+    below 2048 keys). Head dims below the tile (80 in a 128 tile, 48 in 64) rely on the
+    descriptor's zero fill and clipped store; a negative scale runs on a negated q, a zero one at
+    MIN_SCALE (uniform weights over the visible keys, masked scores still -inf)."""
     from flashmoe_science.attention.configs import gluon_forward_config
     from flashmoe_science.launch import clear_records, last_launch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path is for sm90")
-    seqlen = 1500 if D > 64 else 3000  # above the FLOPs the Hopper path starts at
+    seqlen = 1500 if D > 64 else 2000  # above the FLOPs the Hopper path starts at
     seqlen_k = 4096 if scale == -0.2 else seqlen
     q, k, v = make_qkv(2, 16, 4, seqlen, seqlen_k, D, torch.bfloat16, "cuda", layout="bshd")
     clear_records()
     out = flash_attention_science(q, k, v, causal=causal, softmax_scale=scale)
     gluon = gluon_forward_config(head_dim_block(D), causal, seqlen_k) is not None
-    assert gluon is (D > 64 or not causal or seqlen_k >= 4096)
+    assert gluon is (D > 64 or not causal or seqlen_k >= 2048)
     ran = "attention_forward_gluon" if gluon else "attention_forward_hopper"
     assert last_launch(ran) is not None and last_launch("attention_forward") is None
     ref, _ = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
     assert rel_error(out, ref) <= 2 * _sdpa_error(q, k, v, causal, ref, scale) + 1e-4
+    if scale == 0.0:  # whatever SDPA makes of a zero scale: the mean of the visible values, to bf16
+        assert rel_error(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
@@ -341,7 +345,8 @@ def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
     (128, 16, 1, 4000, 1100, True, (-1, -1)),   # MQA, Sq > Sk: whole consumers see no key
     (128, 8, 4, 3000, 3000, True, (500, 0)),    # a causal sliding window
     (64, 16, 2, 1100, 5000, False, (-1, -1)),   # three consumers (unmasked, many keys), Sq not a tile multiple
-    (64, 16, 4, 4096, 4096, True, (-1, -1)),    # two consumers, causal (the Triton kernel below 4096 keys)
+    (64, 16, 4, 4096, 4096, True, (-1, -1)),    # two consumers, causal (the Triton kernel below 2048 keys)
+    (64, 16, 2, 2600, 2600, True, (-1, -1)),    # the same from 2048 keys, the last tile partly past the end
 ])
 def test_gpu_gluon_forward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window, dtype):
     """The Gluon kernel (sm90; every shape above the FLOPs the Hopper path starts at): outputs and

@@ -67,7 +67,7 @@ def test_hopper_forward_dispatch_picks_gluon_where_it_was_measured_faster():
         ((200, False, 512, False), (True, wide)), ((256, True, 512, False), (True, wide)),
         ((64, False, 2047, False), (True, two)), ((48, False, 2048, False), (True, three)),
         ((64, True, 8192, False), (True, three)), ((64, True, 8191, False), (True, two)),
-        ((64, True, 4096, False), (True, two)), ((64, True, 4095, False), (False, HOPPER_FORWARD[64])),
+        ((64, True, 2048, False), (True, two)), ((64, True, 2047, False), (False, HOPPER_FORWARD[64])),
         ((64, False, 4096, True), (False, HOPPER_FORWARD[64])),
     ]
     for (head_dim, masked, keys, softcap), runs in expected:

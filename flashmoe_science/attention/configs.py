@@ -128,11 +128,13 @@ HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 6
 # - D = 256, 128 x 64: 474 ... 738 against 332 ... 478; causal 301 ... 716 against 220 ... 494.
 # - D = 64: two consumers (128 x 128) below 2048 keys, three (192 x 128) from there, unmasked:
 #   352 / 404 / 465 / 471 / 507 / 505 against 327 / 392 / 433 / 422 / 428 / 429. Causal from 8192
-#   keys 192 x 128 (443 / 520 against 408 / 426); at 4096 keys two consumers (128 x 128,
-#   persistent), 3-4% ahead in three H100 measurements (412 against 398; 403 against 346 in
+#   keys 192 x 128 (443 / 520 against 408 / 426); from 2048 keys two consumers (128 x 128,
+#   persistent): at 4096, 3-4% ahead in three H100 measurements (412 against 398; 403 against 346 in
 #   benchmarks/results/attention_hopper_sweep_gluon_exp_poly.json; 406 against 391 in an interleaved
-#   A/B, three rounds a side); below, the Triton kernel is as fast (S = 2048: 349 against 354 in that
-#   A/B), and the transformer-block benchmark's attention stays on it.
+#   A/B, three rounds a side); at 2048, 368 against 355 once both kernels masked the diagonal
+#   blocks with one compare a score (benchmarks/results/attention_hopper_sweep_gluon_d64_masks.json,
+#   whose 192 x 128 rows ran a build that spilled, since fixed; 349 against 354 before). At 1024
+#   the two tie (284 against 287) and the Triton kernel stays.
 # Softcapped calls stay on the Triton kernel (the Gluon kernel has no softcap). Every entry keeps
 # exp_poly = 0: moving a quarter or half of the exponentials to the FMA pipes
 # (`_kernels/exp2.py`) was slower in nearly every case of the sweep above (192 x 128 at S = 16384:
@@ -140,7 +142,7 @@ HOPPER_FORWARD = {64: AttentionConfig(128, 64, 8, 3), 128: AttentionConfig(64, 6
 # by the MUFU, and the polynomial adds nine instructions for each exponential it takes over.
 GLUON_FORWARD = {
     64: ([(0, AttentionConfig(128, 128, 4, 2)), (2048, AttentionConfig(192, 128, 4, 2))],
-         [(4096, AttentionConfig(128, 128, 4, 2)), (8192, AttentionConfig(192, 128, 4, 2))]),
+         [(2048, AttentionConfig(128, 128, 4, 2)), (8192, AttentionConfig(192, 128, 4, 2))]),
     128: ([(0, AttentionConfig(128, 128, 4, 2))], [(1024, AttentionConfig(128, 128, 4, 2))]),
     256: ([(0, AttentionConfig(128, 64, 4, 2))], [(0, AttentionConfig(128, 64, 4, 2))]),
 }

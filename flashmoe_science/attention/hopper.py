@@ -21,6 +21,7 @@ from ..device import info_for
 from ..launch import KernelLauncher
 from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 from ._kernels.forward_gluon import attention_forward_gluon_kernel
+from ._kernels.forward import MIN_SCALE
 from ._kernels.forward_hopper import attention_forward_hopper_kernel
 from .configs import (gluon_forward_section, gluon_forward_tiles, gluon_persistent, gluon_separate_output,
                       head_dim_block)
@@ -122,6 +123,7 @@ def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config
     """
     if softmax_scale < 0:  # the kernels take row maxima over unscaled scores (`forward.softmax_step`)
         q, softmax_scale = torch.neg(q), -softmax_scale
+    softmax_scale = max(softmax_scale, MIN_SCALE)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
     left, right = window_size

@@ -23,6 +23,13 @@ from .exp2 import exp2_split
 from .tiles import load_tile
 
 UNBOUNDED = tl.constexpr(1 << 30)
+# Which edges of the band a key block crosses (`band_edge_mask`).
+NO_EDGE = tl.constexpr(0)
+RIGHT_EDGE = tl.constexpr(1)
+BOTH_EDGES = tl.constexpr(2)
+# The smallest softmax scale the forward kernels take: a zero one gives the same uniform weights
+# this way, without 0 * -inf on masked scores (`softmax_step`).
+MIN_SCALE = 1e-30
 
 
 @triton.jit
@@ -102,30 +109,45 @@ def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q, seq
 
 
 @triton.jit
-def softmax_step(acc, l_i, m_i, qk, v, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
-                 softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EXP_POLY: tl.constexpr = 0):
-    """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits s * mult
-    (softcapped if asked), masked to the band on edge blocks, then rescale and accumulate p.v.
+def band_edge_mask(s, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, EDGES: tl.constexpr):
+    """s, the scores of the key block at start_n, with those outside the band (or past the last
+    key) set to -inf. EDGES = RIGHT_EDGE: the block lies wholly right of the band's left edge
+    (`band_blocks`' full_lo), so each row's last visible key bounds it alone; BOTH_EDGES: its
+    first visible key too. Bounds are taken per row and relative to start_n, so a score costs
+    one compare per edge and a select."""
+    end = tl.minimum(offs_m + (diag_hi + 1), seqlen_k) - start_n  # past the row's last visible key
+    visible = offs_n[None, :] < end[:, None]
+    if EDGES == BOTH_EDGES:
+        visible = visible & (offs_n[None, :] >= (offs_m + diag_lo - start_n)[:, None])
+    return tl.where(visible, s, float("-inf"))
 
-    On the blocks every row fully sees (the bulk of the work), the multiplier is folded into the
-    exponent's one FMA and the row maximum is taken over the unscaled scores: max(s) * mult =
-    max(s * mult) as mult >= 0 (`run_forward` negates q for a negative softmax_scale). That saves
-    a multiply per score. There, EXP_POLY of every four exponentials run on the FMA pipes
-    (`exp2.exp2_split`; 0 under the interpreter, which has no inline PTX)."""
+
+@triton.jit
+def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
+                 softcap_scale, softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+                 EXP_POLY: tl.constexpr = 0):
+    """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits s * mult
+    (softcapped if asked), masked to the band on edge blocks (MASKED: NO_EDGE, RIGHT_EDGE or
+    BOTH_EDGES, `band_edge_mask`), then rescale and accumulate p.v.
+
+    The multiplier is folded into the exponent's one FMA and the row maximum is taken over the
+    unscaled scores: max(s) * mult = max(s * mult) as mult > 0 (`run_forward` negates q for a
+    negative softmax_scale and raises a zero one to MIN_SCALE, so masked scores stay -inf after
+    the multiply). On the blocks every row fully sees (the bulk of the work), EXP_POLY of every
+    four exponentials run on the FMA pipes (`exp2.exp2_split`; 0 under the interpreter, which
+    has no inline PTX)."""
     if SOFTCAP:
         s = tanh(qk * softcap_scale)  # softcap * tanh(score / softcap) = softcap_log2 * s in base 2
         mult = softcap_log2
     else:
         s = qk
         mult = scale_log2
-    if MASKED:
-        rel = cols[None, :] - offs_m[:, None]
-        visible = (cols[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo)
-        s = tl.where(visible, s * mult, float("-inf"))  # scaled first: a zero scale times -inf is NaN
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED != NO_EDGE:
+        s = band_edge_mask(s, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_sub[:, None])
+        p = tl.math.exp2(s * mult - m_sub[:, None])
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
         m_sub = m_new
@@ -152,11 +174,11 @@ def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, off
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
     cols = start_n + offs_n
     start64 = tl.cast(start_n, tl.int64)  # start_n * stride passes 2**31 on long (B, S, H, D) inputs
-    k = load_tile(k_ptrs + start64 * stride_kn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    v = load_tile(v_ptrs + start64 * stride_vn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    k = load_tile(k_ptrs + start64 * stride_kn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != NO_EDGE)
+    v = load_tile(v_ptrs + start64 * stride_vn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != NO_EDGE)
     qk = tl.dot(q, tl.trans(k))
-    return softmax_step(acc, l_i, m_i, qk, v, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
-                        softcap_log2, MASKED, SOFTCAP)
+    return softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
+                        softcap_scale, softcap_log2, MASKED, SOFTCAP)
 
 
 @triton.jit
@@ -201,15 +223,15 @@ def attention_forward_kernel(
     for start_n in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, True, SOFTCAP)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, BOTH_EDGES, SOFTCAP)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, False, SOFTCAP)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, NO_EDGE, SOFTCAP)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, True, SOFTCAP)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, RIGHT_EDGE, SOFTCAP)
 
     out, lse = finish(acc, l_i, m_i)
     o_ptrs = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_rows * stride_om + offs_d[None, :]

@@ -33,22 +33,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .exp2 import exp2_split
-from .forward import band_blocks, band_diagonals
+from .forward import BOTH_EDGES, NO_EDGE, RIGHT_EDGE, band_blocks, band_diagonals
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, MASKED: gl.constexpr,
-             EXP_POLY: gl.constexpr):
+def _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2, EDGES: gl.constexpr,
+             ROW_BOUNDS: gl.constexpr, EXP_POLY: gl.constexpr):
     """One key block of the online softmax in base 2 (as `forward.softmax_step`): returns the
-    probabilities p, the new row sums and maxima, and alpha, the factor that rescales O. Unmasked
-    blocks compute EXP_POLY of every four exponentials on the FMA pipes (`exp2.exp2_split`)."""
-    if MASKED:
-        rel = cols[None, :] - offs_m[:, None]
-        visible = (cols[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo)
-        s = gl.where(visible, s * scale_log2, float("-inf"))  # scaled first: 0 * -inf is NaN
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+    probabilities p, the new row sums and maxima, and alpha, the factor that rescales O. Masked
+    blocks (EDGES) compare each score's key with its row's bounds (ROW_BOUNDS, as
+    `forward.band_edge_mask`) or its diagonal with the band's (fewer registers a thread); unmasked
+    ones compute EXP_POLY of every four exponentials on the FMA pipes (`exp2.exp2_split`)."""
+    if EDGES != NO_EDGE:
+        if ROW_BOUNDS:
+            visible = offs_n[None, :] < (gl.minimum(offs_m + (diag_hi + 1), seqlen_k) - start_n)[:, None]
+            if EDGES == BOTH_EDGES:
+                visible = visible & (offs_n[None, :] >= (offs_m + diag_lo - start_n)[:, None])
+        else:
+            cols = start_n + offs_n
+            rel = cols[None, :] - offs_m[:, None]
+            visible = (cols[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo)
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet keeps p = 0
-        p = gl.exp2(s - m_sub[:, None])
+        p = gl.exp2(s * scale_log2 - m_sub[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         m_sub = m_new
@@ -60,15 +68,29 @@ def _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, 
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k, diag_lo, diag_hi, scale_log2,
-                   EXP_POLY: gl.constexpr):
-    """`_softmax` of the key block at start_n: masked on the band's edges, plain in [full_lo, full_hi)."""
-    cols = start_n + offs_n
-    if (start_n < full_lo) | (start_n >= full_hi):
-        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, True,
-                                      EXP_POLY)
+                   ROW_BOUNDS: gl.constexpr, EXP_POLY: gl.constexpr):
+    """`_softmax` of the key block at start_n: masked on the band's edges, plain in [full_lo, full_hi).
+    With ROW_BOUNDS, blocks right of the left edge compare with the right bound alone. Without
+    (`_consume_tile` sets it for two consumers up to D = 128), one masked copy of the softmax
+    takes both edges by diagonal: in the three-consumer builds (160 registers a thread) per-row
+    bounds made ptxas spill 132 bytes a thread, and a third copy in the loop 524, where the
+    diagonal compare spills none; at D = 256 per-row bounds spilled 20."""
+    if ROW_BOUNDS:
+        if start_n >= full_hi:
+            p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
+                                          scale_log2, RIGHT_EDGE, True, EXP_POLY)
+        elif start_n < full_lo:
+            p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
+                                          scale_log2, BOTH_EDGES, True, EXP_POLY)
+        else:
+            p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
+                                          scale_log2, NO_EDGE, True, EXP_POLY)
+    elif (start_n < full_lo) | (start_n >= full_hi):
+        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
+                                      BOTH_EDGES, False, EXP_POLY)
     else:
-        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, cols, seqlen_k, diag_lo, diag_hi, scale_log2, False,
-                                      EXP_POLY)
+        p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
+                                      NO_EDGE, False, EXP_POLY)
     return p, l_i, m_i, alpha
 
 
@@ -205,6 +227,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = desc_o.dtype
 
+    ROW_BOUNDS: gl.constexpr = (NUM_CONSUMERS == 2) & (BLOCK_D <= 128)  # where registers allow (`_softmax_block`)
     b, h, h_kv, pid_m = _tile_coordinates(tile, num_heads_q, group_size, num_m_blocks, batch_heads, section, CAUSAL)
     tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
     first_row = tile_row + C * BLOCK_M
@@ -240,7 +263,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(use % NUM_STAGES), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + first * BLOCK_N, full_lo, full_hi,
-                                              seqlen_k, diag_lo, diag_hi, scale_log2, EXP_POLY)
+                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS,
+                                              EXP_POLY)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
     for j in range(first + 1, last):
@@ -255,7 +279,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + j * BLOCK_N, full_lo, full_hi,
-                                              seqlen_k, diag_lo, diag_hi, scale_log2, EXP_POLY)
+                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS,
+                                              EXP_POLY)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]

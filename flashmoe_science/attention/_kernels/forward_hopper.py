@@ -13,7 +13,7 @@ unmasked blocks run on the FMA pipes (`exp2.py`).
 import triton
 import triton.language as tl
 
-from .forward import finish, program_coordinates, softmax_step, visible_band
+from .forward import BOTH_EDGES, NO_EDGE, RIGHT_EDGE, finish, program_coordinates, softmax_step, visible_band
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, lo, hi, offs_m, off
         k = desc_k.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         v = desc_v.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n + offs_n, seqlen_k, diag_lo, diag_hi,
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
                                      scale_log2, softcap_scale, softcap_log2, MASKED, SOFTCAP, EXP_POLY)
     return acc, l_i, m_i
 
@@ -54,13 +54,13 @@ def attention_forward_hopper_kernel(
                                                                BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, lo, tl.minimum(full_lo, hi), offs_m,
                                   offs_n, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, True, SOFTCAP, False, 0)
+                                  BLOCK_N, BLOCK_D, BOTH_EDGES, SOFTCAP, False, 0)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, full_lo, full_hi, offs_m, offs_n,
                                   seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, False, SOFTCAP, WARP_SPECIALIZE, EXP_POLY)
+                                  BLOCK_N, BLOCK_D, NO_EDGE, SOFTCAP, WARP_SPECIALIZE, EXP_POLY)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, full_hi, hi, offs_m, offs_n,
                                   seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, True, SOFTCAP, False, 0)
+                                  BLOCK_N, BLOCK_D, RIGHT_EDGE, SOFTCAP, False, 0)
 
     out, lse = finish(acc, l_i, m_i)
     desc_o.store([b, h, pid_m * BLOCK_M, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
