@@ -20,8 +20,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..device import info_for
 from ..launch import KernelLauncher
 from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
-from ._kernels.forward_gluon import attention_forward_gluon_kernel
 from ._kernels.forward import MIN_SCALE
+from ._kernels.forward_gluon import attention_forward_gluon_kernel
 from ._kernels.forward_hopper import attention_forward_hopper_kernel
 from .configs import (gluon_forward_section, gluon_forward_tiles, gluon_persistent, gluon_separate_output,
                       head_dim_block)
@@ -112,6 +112,16 @@ def launch(q, k, v, out, lse, scale, softcap, config, window, *, causal, warp_sp
         num_warps=config.num_warps, num_stages=config.num_stages, device_index=device_index)
 
 
+def positive_scale(q, scale: float):
+    """(q, scale) as the forward kernels take them: a positive scale. They take row maxima over
+    unscaled scores and mask scores to -inf before scaling them (`forward.softmax_step`), so a
+    negative scale runs as (-q).k * -scale, with -q in q's own strides (the caller's plan key and
+    launch strides still describe it), and a zero one at MIN_SCALE (the same uniform weights)."""
+    if scale < 0:
+        q, scale = torch.neg(q, out=q.new_empty_strided(q.shape, q.stride())), -scale
+    return q, max(scale, MIN_SCALE)
+
+
 def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, warp_specialize: bool = False,
                              gluon: bool = False, persistent: bool | None = None, write_lse: bool = False,
                              window_size=(-1, -1)):
@@ -121,9 +131,7 @@ def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config
     q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true;
     window_size as for `flash_attention_science` (with causal, the right bound is 0).
     """
-    if softmax_scale < 0:  # the kernels take row maxima over unscaled scores (`forward.softmax_step`)
-        q, softmax_scale = torch.neg(q), -softmax_scale
-    softmax_scale = max(softmax_scale, MIN_SCALE)
+    q, softmax_scale = positive_scale(q, softmax_scale)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
     left, right = window_size

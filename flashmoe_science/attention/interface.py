@@ -21,7 +21,7 @@ from ..device import check_runnable, info_for
 from ..launch import KernelLauncher
 from ._kernels.backward import (DQ_MODES, attention_backward_dkdv_kernel, attention_backward_dq_kernel,
                                 attention_backward_preprocess_kernel)
-from ._kernels.forward import MIN_SCALE, attention_forward_kernel
+from ._kernels.forward import attention_forward_kernel
 from . import hopper
 from .configs import (HOPPER_MIN_FLOPS, PREPROCESS_WARPS, backward_config, forward_config, gluon_backward_config,
                       head_dim_block, hopper_forward_config, preprocess_block_m)
@@ -201,10 +201,7 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
     if plan.empty:
         return out, lse
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
-    if scale < 0:  # the kernels take row maxima over unscaled scores (`softmax_step`): (-q).k * -scale
-        # Negated into q's own strides, so the plan's key and launch strides still describe it.
-        q, scale = torch.neg(q, out=q.new_empty_strided(q.shape, q.stride())), -scale
-    scale = max(scale, MIN_SCALE)  # masked scores stay -inf once scaled (`softmax_step`)
+    q, scale = hopper.positive_scale(q, scale)
     softcap = plan.softcap
     if plan.hopper is not None:
         gluon, cfg = plan.hopper

@@ -131,9 +131,9 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_l
     BOTH_EDGES, `band_edge_mask`), then rescale and accumulate p.v.
 
     The multiplier is folded into the exponent's one FMA and the row maximum is taken over the
-    unscaled scores: max(s) * mult = max(s * mult) as mult > 0 (`run_forward` negates q for a
-    negative softmax_scale and raises a zero one to MIN_SCALE, so masked scores stay -inf after
-    the multiply). On the blocks every row fully sees (the bulk of the work), EXP_POLY of every
+    unscaled scores: max(s) * mult = max(s * mult) as mult > 0 (`hopper.positive_scale` negates q
+    for a negative softmax_scale and raises a zero one to MIN_SCALE, so masked scores stay -inf
+    after the multiply). On the blocks every row fully sees (the bulk of the work), EXP_POLY of every
     four exponentials run on the FMA pipes (`exp2.exp2_split`; 0 under the interpreter, which
     has no inline PTX)."""
     if SOFTCAP:
