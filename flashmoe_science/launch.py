@@ -105,7 +105,8 @@ class KernelLauncher:
         params = inspect.signature(getattr(fn, "fn", fn)).parameters.values()
         self._constexpr_idx = [i for i, p in enumerate(params) if "constexpr" in str(p.annotation)]
 
-    def launch(self, key, grid, args, *, num_warps: int, num_stages: int, device_index: int | None = None):
+    def launch(self, key, grid, args, *, num_warps: int, num_stages: int, device_index: int | None = None,
+               **options):
         if _INTERPRETED:
             self.fn[grid](*args)
             _RECORDS[self.op] = LaunchRecord(getattr(self.fn, "__name__", self.op), tuple(grid),
@@ -115,11 +116,11 @@ class KernelLauncher:
         if device_index is not None and device_index != device:
             with torch.cuda.device(device_index):
                 return self.launch(key, grid, args, num_warps=num_warps, num_stages=num_stages,
-                                   device_index=device_index)
+                                   device_index=device_index, **options)
         _bind_context(device)
         entry = self._compiled.get(key) if key is not None else None
         if entry is None:
-            compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
             md = compiled.metadata
             record = LaunchRecord(compiled.name, tuple(grid), self._constexprs_of(args), md.num_warps,
                                   md.num_stages, md.shared, False, compiled)

@@ -32,6 +32,7 @@ class KernelBuild:
     num_warps: int
     num_stages: int
     aligned: tuple = field(default=())  # arguments known to be multiples of 16 (pointers: 16-byte aligned)
+    maxnreg: int | None = None  # the launch's register bound, where the launcher sets one
 
 
 def compile_build(build: KernelBuild, capability: int):
@@ -47,6 +48,8 @@ def compile_build(build: KernelBuild, capability: int):
     source = GluonASTSource if build.fn.is_gluon() else ASTSource
     src = source(build.fn, build.signature, build.constexprs, attrs=attrs)
     options = {"num_warps": build.num_warps, "num_stages": build.num_stages}
+    if build.maxnreg is not None:
+        options["maxnreg"] = build.maxnreg
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 

@@ -5,6 +5,10 @@ are wrong under the interpreter); the GPU tests (marked `gpu`) add bf16, realist
 D = 256, and compare our error with PyTorch's own in the same precision.
 """
 import itertools
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -584,6 +588,7 @@ def test_gluon_backward_launches_describe_each_tile_of_its_tensor(D, fused, monk
 
     monkeypatch.setattr(hopper, "_GLUON_DQ", Recorder("dq"))
     monkeypatch.setattr(hopper, "_GLUON_DKDV", Recorder("dkdv"))
+    monkeypatch.setattr(hopper, "_GLUON_FUSED", Recorder("fused"))
     q, k, v = make_qkv(1, 4, 2, 100, 120, D, torch.bfloat16, "cpu", layout="bshd")
     grad_out, out, dq = torch.randn_like(q), torch.randn_like(q), torch.full_like(q, float("nan"))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -596,10 +601,10 @@ def test_gluon_backward_launches_describe_each_tile_of_its_tensor(D, fused, monk
                        (dq, cfg.dq.block_m)],
                 "dkdv": [(q, cfg.dkdv.block_m), (k, cfg.dkdv.block_n), (v, cfg.dkdv.block_n),
                          (grad_out, cfg.dkdv.block_m), (dk, cfg.dkdv.block_n), (dv, cfg.dkdv.block_n)]}
-    assert calls["dkdv"][-1] is fused  # FUSED_DQ
     if fused:
         del expected["dq"]
-        assert set(calls) == {"dkdv"}
+        assert set(calls) == {"fused"}
+        calls["dkdv"] = calls["fused"]
         acc = calls["dkdv"][6]
         assert acc.base.dtype == torch.float32 and acc.base.shape == q.shape and acc.base.is_contiguous()
         assert acc.block_shape == [1, 1, cfg.dkdv.block_m, head_dim_block(D)]
@@ -661,8 +666,8 @@ def test_gpu_gluon_backward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window
         del poison
         clear_records()
         grads = attention_backward(grad_out, q, k, v, out, lse, causal, None, window, config=cfg)
-        dkdv = last_launch("attention_backward_dkdv_gluon").constexprs
-        assert (dkdv["BLOCK_N"], dkdv["BLOCK_M"], dkdv["FUSED_DQ"]) == (cfg.dkdv.block_n, cfg.dkdv.block_m, cfg.fused)
+        dkdv = last_launch("attention_backward_fused" if cfg.fused else "attention_backward_dkdv_gluon").constexprs
+        assert (dkdv["BLOCK_N"], dkdv["BLOCK_M"]) == (cfg.dkdv.block_n, cfg.dkdv.block_m)
         dq = last_launch("attention_backward_dq_gluon")
         assert (dq is None) if cfg.fused else dq.constexprs["BLOCK_M"] == cfg.dq.block_m
         for name, g, ref, bound in zip(("dq", "dk", "dv"), grads, refs, bounds):
@@ -775,3 +780,26 @@ def test_gpu_descriptor_kernels_launch_from_a_thread_new_to_cuda():
         assert torch.equal(g, r), name
     for name, g, r in zip(("dq", "dk", "dv"), grads, reference_grads(q, k, v, grad_out, True)):
         assert rel_error(g, r) < 1e-2, name
+
+
+def test_fused_backward_one_warpgroup_build_runs_two_programs_an_sm():
+    """The fused Gluon backward's one-warpgroup D = 64 build compiles for sm90 with the launch
+    register bound `fused_backward_maxnreg` gives it (128 a thread over its two warpgroups) and
+    shared memory for two programs an SM; the consumers raise their registers with setmaxnreg. Compiled in a subprocess: the interpreter cannot compile for a GPU target."""
+    code = """
+import json
+from flashmoe_science.attention.configs import _gluon_backward_builds, gluon_fused_backward_candidates
+from flashmoe_science.target_compile import compile_build
+cfg = next(c for c in gluon_fused_backward_candidates(64) if c.dkdv.num_warps == 4 and c.dkdv.num_stages == 2)
+build = next(b for b in _gluon_backward_builds(64, cfg) if "bf16" in b.label)
+kernel = compile_build(build, 90)
+ptx = kernel.asm["ptx"]
+print(json.dumps(dict(maxnreg=build.maxnreg, shared=kernel.metadata.shared, bound=".maxnreg 128" in ptx,
+                      raised="setmaxnreg.inc" in ptx)))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["maxnreg"] == 128 and row["bound"] and row["raised"]
+    assert 2 * (row["shared"] + 1024) <= 228 * 1024  # two programs an SM (1 KB reserved per block)

@@ -607,25 +607,43 @@ def gluon_backward_candidates(block_d: int):
             yield BackwardConfig(base.dkdv, dq, tma=True, gluon=True)
 
 
+def _fused_backward_shared(block_d: int, dkdv: AttentionConfig) -> int:
+    """Shared memory of a fused Gluon backward program, in bytes: K and V, Q and dO per stage, two
+    dS^T tiles and two fp32 dQ tiles."""
+    keys, rows = dkdv.block_n, dkdv.block_m
+    return 4 * block_d * (keys + rows * dkdv.num_stages) + 4 * keys * rows + 8 * rows * block_d
+
+
 def gluon_fused_backward_candidates(block_d: int) -> list[BackwardConfig]:
-    """Fused Gluon backward configurations (`BackwardConfig.fused`) worth timing at a padded head
-    dim of at most 128 (16-bit, sm90): 128 resident keys on two warpgroups or 64 on one, 64 or 128
-    streamed query rows (at most 16 per warp: the dQ product splits them between the warps), 2 or
-    3 stages. Kept are those whose shared memory fits an H100 (K and V, Q and dO per stage, two
-    dS^T tiles and two fp32 dQ tiles) and whose fp32 tiles per thread (a warpgroup's share of dK,
-    dV, S^T, dP^T and dQ) stay at or below 256 registers; `ptxas -v` reports spills above 192
-    (at D = 128, 56 to 140 bytes). The dq field repeats dkdv: there is no dQ kernel."""
+    """Fused Gluon backward configurations (`BackwardConfig.fused`, `_kernels/backward_fused.py`)
+    worth timing at a padded head dim of at most 128 (16-bit, sm90): 128 resident keys on two
+    warpgroups or 64 on one, 64 or 128 streamed query rows (at most 16 per warp: the dQ product
+    splits them between the warps), 2 or 3 stages. Kept are those whose shared memory fits an H100
+    and whose fp32 tiles per thread (a warpgroup's share of dK, dV, S^T, dP^T and dQ) stay at or
+    below 256 registers. The dq field repeats dkdv: there is no dQ kernel."""
     from ..device import SHARED_MEMORY_PER_BLOCK
 
     budget = SHARED_MEMORY_PER_BLOCK[90] - 2 * 1024
     found = []
     for (keys, warps), rows, stages in product(((128, 8), (64, 4)), (64, 128), (2, 3)):
-        smem = 4 * block_d * (keys + rows * stages) + 4 * keys * rows + 8 * rows * block_d
+        cfg = AttentionConfig(rows, keys, warps, stages)
         regs = block_d + rows + rows * block_d // (32 * warps)
-        if rows <= 16 * warps and smem <= budget and regs <= 256:
-            cfg = AttentionConfig(rows, keys, warps, stages)
+        if rows <= 16 * warps and _fused_backward_shared(block_d, cfg) <= budget and regs <= 256:
             found.append(BackwardConfig(cfg, cfg, "tma", tma=True, gluon=True))
     return found
+
+
+def fused_backward_maxnreg(block_d: int, dkdv: AttentionConfig) -> int | None:
+    """The launch register bound of the fused Gluon backward (`maxnreg`; None: the compiler's).
+    A one-warpgroup program (4 consumer warps; the loader and reduce warps are padded to a second
+    warpgroup) whose shared memory leaves room for a second program on an H100 SM (D = 64) asks
+    for 128 registers a thread, so that two programs share the SM; its consumers then raise theirs
+    to 232 with setmaxnreg. Without the bound every thread gets 255 and one program runs per SM:
+    on an H100 at D = 64, S = 4096, 241 against 357 TFLOP/s (one-off, this kernel, the sweep's
+    shapes). At D = 128 the bound would only make it spill."""
+    if dkdv.num_warps == 4 and 2 * (_fused_backward_shared(block_d, dkdv) + 2 * 1024) <= 228 * 1024:
+        return 128
+    return None
 
 
 def _backward_builds(capability: int):
@@ -693,10 +711,12 @@ def _backward_builds(capability: int):
 def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
     """The Gluon backward kernels' builds (sm90) for one configuration, fp16 and bf16: the shared
     memory layouts of the descriptors are part of the signature. A fused configuration
-    (`BackwardConfig.fused`) builds the dK/dV kernel only, with its fp32 dQ reduce descriptor."""
+    (`BackwardConfig.fused`) builds the fused kernel (`_kernels/backward_fused.py`) alone, with
+    its fp32 dQ reduce descriptor and launch register bound."""
     from triton.experimental.gluon import language as gl
 
     from ..target_compile import KernelBuild
+    from ._kernels.backward_fused import attention_backward_fused_kernel
     from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 
     def descriptor(dtype, rows):
@@ -707,19 +727,20 @@ def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
     fused = cfg.fused
     for name, dtype in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         dkdv, dq = cfg.dkdv, cfg.dq
-        kernel = attention_backward_dkdv_gluon_kernel
+        kernel = attention_backward_fused_kernel if fused else attention_backward_dkdv_gluon_kernel
         sig = {n: "i32" for n in kernel.arg_names}
         tiles = dict(desc_q=dkdv.block_m, desc_do=dkdv.block_m, desc_k=dkdv.block_n, desc_v=dkdv.block_n,
                      desc_dk=dkdv.block_n, desc_dv=dkdv.block_n)
         sig.update({arg: descriptor(dtype, rows) for arg, rows in tiles.items()})
-        sig["desc_dq"] = descriptor(gl.float32, dkdv.block_m) if fused else sig["desc_dk"]
+        if fused:
+            sig["desc_dq"] = descriptor(gl.float32, dkdv.block_m)
         sig.update(LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
-        constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, NUM_STAGES=dkdv.num_stages,
-                          FUSED_DQ=fused)
+        constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, NUM_STAGES=dkdv.num_stages)
         sig.update({n: "constexpr" for n in constexprs})
-        yield KernelBuild(label=f"attention_backward_dkdv_gluon {name} D={block_d} {dkdv}{' dq fused' * fused}",
-                          fn=kernel, signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps, num_stages=1,
-                          aligned=("LSE", "DELTA"))
+        label = f"attention_backward_{'fused' if fused else 'dkdv_gluon'} {name} D={block_d} {dkdv}"
+        yield KernelBuild(label=label, fn=kernel, signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps,
+                          num_stages=1, aligned=("LSE", "DELTA"),
+                          maxnreg=fused_backward_maxnreg(block_d, dkdv) if fused else None)
         if fused:
             continue
         kernel = attention_backward_dq_gluon_kernel

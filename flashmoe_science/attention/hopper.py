@@ -19,18 +19,20 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..device import info_for
 from ..launch import KernelLauncher
+from ._kernels.backward_fused import attention_backward_fused_kernel
 from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 from ._kernels.forward import MIN_SCALE
 from ._kernels.forward_gluon import attention_forward_gluon_kernel
 from ._kernels.forward_hopper import attention_forward_hopper_kernel
-from .configs import (gluon_forward_section, gluon_forward_tiles, gluon_persistent, gluon_separate_output,
-                      head_dim_block)
+from .configs import (fused_backward_maxnreg, gluon_forward_section, gluon_forward_tiles, gluon_persistent,
+                      gluon_separate_output, head_dim_block)
 
 _LOG2E = 1.4426950408889634
 _HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_kernel)
 _GLUON = KernelLauncher("attention_forward_gluon", attention_forward_gluon_kernel)
 _GLUON_DQ = KernelLauncher("attention_backward_dq_gluon", attention_backward_dq_gluon_kernel)
 _GLUON_DKDV = KernelLauncher("attention_backward_dkdv_gluon", attention_backward_dkdv_gluon_kernel)
+_GLUON_FUSED = KernelLauncher("attention_backward_fused", attention_backward_fused_kernel)
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -219,18 +221,17 @@ def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, sca
     elif delta_here:
         raise ValueError("the fused Gluon backward needs delta computed before it (delta_here=False)")
     c = config.dkdv
-    if fused:
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dq_target = _gluon_descriptor(dq_acc, c.block_m, block_d)
-    else:
-        dq_target = describe(dk, c.block_n)  # not read
     num_n_blocks = -(-seqlen_k // c.block_n)
-    _GLUON_DKDV.launch(
-        key, (num_n_blocks * batch * heads_kv, 1, 1),
-        (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
-         describe(dk, c.block_n), describe(dv, c.block_n), dq_target, lse, delta,
-         scale, scale * _LOG2E, *lse_strides, heads_kv, group, seqlen_q, seqlen_k, num_n_blocks, *window,
-         c.block_m, c.block_n, block_d, c.num_stages, fused),
-        num_warps=c.num_warps, num_stages=1, device_index=device_index)
-    if fused:
-        torch.mul(dq_acc, scale, out=dq)
+    grid = (num_n_blocks * batch * heads_kv, 1, 1)
+    inputs = (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
+              describe(dk, c.block_n), describe(dv, c.block_n))
+    rest = (lse, delta, scale, scale * _LOG2E, *lse_strides, heads_kv, group, seqlen_q, seqlen_k, num_n_blocks,
+            *window, c.block_m, c.block_n, block_d, c.num_stages)
+    if not fused:
+        _GLUON_DKDV.launch(key, grid, (*inputs, *rest), num_warps=c.num_warps, num_stages=1, device_index=device_index)
+        return
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    _GLUON_FUSED.launch(key, grid, (*inputs, _gluon_descriptor(dq_acc, c.block_m, block_d), *rest),
+                        num_warps=c.num_warps, num_stages=1, device_index=device_index,
+                        maxnreg=fused_backward_maxnreg(block_d, c))
+    torch.mul(dq_acc, scale, out=dq)

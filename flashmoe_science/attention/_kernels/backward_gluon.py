@@ -26,46 +26,15 @@ delta = 0, so only blocks on the band's edges are masked; streamed key rows past
 masked with the band's right edge (`band_blocks` marks the partial last key block as an edge).
 Each output element is summed by one program in a fixed order: gradients are reproducible.
 
-With FUSED_DQ (a sweep candidate, `configs.gluon_fused_backward_candidates`, never dispatched)
-the dK/dV kernel computes dQ too, five block products per block pair instead of seven: each
-step's dS^T goes to shared memory (two buffers), every warpgroup's share meets at a barrier, and
-dQ = dS K over the program's keys is issued before dK, retired at once and staged as an fp32 tile
-that the next step reduce-adds into a zeroed accumulator (`_tma_reduce_add`, two buffers); the
-launcher scales it into dq. The order of those adds varies, so dq is not reproducible. It is
-correct (the GPU tests) but slower: on an H100 at S = 4096, bf16
-(benchmarks/results/attention_backward_sweep_gluon_dq_tma.json), D = 128 reaches 368 TFLOP/s
-(causal 320) against 470 (430) for the split kernels, and D = 64 376 (349) against 374 (352)
-for the Triton kernels. Where the time goes (a one-off H100 timing of this kernel alone with
-parts switched off, D = 128, S = 4096, not causal): 2.10 ms for dK and dV alone on 128 keys and
-8 warps, 2.28 with dS^T through shared memory and the barrier, 3.29 with the dQ product, 4.19
-with the reduces (4.63 with each program starting at a different query block); the split
-kernels' 64-key, 4-warp dK/dV kernel alone takes 1.84. So waiting for each dQ product right
-after issuing it costs twice its tensor-core time, and the reduces (4.3 GB of fp32 adds into
-L2 at this shape) cost 0.9 ms because the warps wait for them; with 229 KB of shared memory one
-program runs per SM, so nothing covers either wait (the D = 128 build also spills 128 bytes).
-Making it pay needs FlashAttention-3's warp specialisation: a producer warp, consumer
-warpgroups that keep each dQ product in flight while the next step starts, and a warp of its
-own that waits for the finished dQ tiles and issues their reduces.
+The fused backward (dQ added by the dK/dV program, no dQ kernel) is `backward_fused.py`.
 """
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from .backward import _lse_log2
 from .forward import band_blocks, band_diagonals, visible_band
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Adds shared-memory tile `src` into the tile of `tensor_desc` at `coord` (cp.reduce.async.bulk
-    .tensor, committed as a bulk group like `tma.async_copy_shared_to_global`, so `tma.store_wait`
-    waits for it). Gluon 3.6 exposes no wrapper for the builder's op, which Triton's own
-    `tensor_descriptor.atomic_add` lowers to."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -97,11 +66,10 @@ def _invalidate_bars(bars, NUM: gl.constexpr):
 
 @gluon.jit
 def attention_backward_dkdv_gluon_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, LSE, DELTA,
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA,
     softmax_scale, scale_log2, stride_lb, stride_lh,
     num_heads_kv, group_size, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-    FUSED_DQ: gl.constexpr,
 ):
     # Warpgroups split the keys (64 each), then the columns: with 64 keys and two warpgroups each
     # holds half of the dK and dV columns and half of the S^T, dP^T columns.
@@ -113,13 +81,6 @@ def attention_backward_dkdv_gluon_kernel(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
                                                          instr_shape=[16, BLOCK_D // WARPS_N, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # The fused dQ product (BLOCK_M query rows x BLOCK_D): the warpgroups split its rows, then its
-    # columns, whatever their split of the keys.
-    DQ_WARPS_M: gl.constexpr = BLOCK_M // 16
-    DQ_WARPS_N: gl.constexpr = gl.num_warps() // DQ_WARPS_M
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[DQ_WARPS_M, DQ_WARPS_N],
-                                                        instr_shape=[16, BLOCK_D // DQ_WARPS_N, 16])
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     dtype: gl.constexpr = desc_q.dtype
 
     # Key blocks of one kv head adjacent (they share Q and dO in L2); under causal masking the
@@ -150,10 +111,6 @@ def attention_backward_dkdv_gluon_kernel(
         tma.async_copy_shared_to_global(desc_dv, [b, h_kv, start_n, 0], k_smem)
         tma.store_wait(0)
         return
-    if FUSED_DQ:  # two of each: step j writes one while step j - 1's products and reduce read the other
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, BLOCK_D], desc_dq.layout)
-        dq_init = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -211,38 +168,12 @@ def attention_backward_dkdv_gluon_kernel(
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
         ds = (p * (dpt - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(ds, op_layout)
-        if FUSED_DQ:
-            # This step's dQ rows = dS K over all BLOCK_N keys, so every warpgroup's dS^T goes
-            # through shared memory. Past the barrier this step's dS^T is complete, and so is the
-            # previous step's dQ tile, which is reduced into the fp32 accumulator now. Buffers
-            # alternate: each warp retired its products of the previous step before the barrier,
-            # and the reduce issued one step ago has read its tile (store_wait).
-            ds_buf = ds_smem.index(idx % 2)
-            ds_buf.store(ds)
-            tma.store_wait(0)
-            fence_async_shared()
-            gl.thread_barrier()
-            if idx > 0:
-                h_prev, row_prev = _step_coordinates(idx - 1, num_blocks, h_first, lo, BLOCK_M)
-                _tma_reduce_add(desc_dq, [b, h_prev, row_prev, 0], dq_smem.index((idx + 1) % 2))
-            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k, dq_init, use_acc=False, is_async=True)
-            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-            # dQ done (dK still running): its registers go to shared memory at once.
-            dq = warpgroup_mma_wait(1, deps=[dq_tok])
-            dq_smem.index(idx % 2).reshape([BLOCK_M, BLOCK_D]).store(dq)
-        else:
-            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
 
     dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=[dk, dv, p_op, ds_op])
     mbarrier.invalidate(kv_bar)
     _invalidate_bars(q_bars, NUM_STAGES)
     _invalidate_bars(do_bars, NUM_STAGES)
-    if FUSED_DQ:  # the last dQ tile; past the barrier no warp reads K any more either
-        last = num_steps - 1
-        fence_async_shared()
-        gl.thread_barrier()
-        h_last, row_last = _step_coordinates(last, num_blocks, h_first, lo, BLOCK_M)
-        _tma_reduce_add(desc_dq, [b, h_last, row_last, 0], dq_smem.index(last % 2))
     # K and V are no longer read: their buffers stage the gradients for the TMA stores.
     k.store((dk * softmax_scale).to(dtype))
     v.store(dv.to(dtype))
