@@ -45,8 +45,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from .backward import _lse_log2
-from .backward_gluon import _init_bars, _load_pair, _step_coordinates
+from .backward_gluon import _init_bars, _load_pair, _row_terms, _step_coordinates, _transposed_probabilities
 from .forward import band_blocks, band_diagonals
 
 
@@ -144,17 +143,13 @@ def _consumer(desc_dk, desc_dv, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_
         mbarrier.wait(do_ready.index(stage), phase)
         dpt_tok = warpgroup_mma(v, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
         rows = start_m + offs_m
-        row_offsets = h.to(gl.int64) * stride_lh + rows
-        lse_log2 = _lse_log2(gl.load(lse_base + row_offsets, mask=rows < seqlen_q, other=float("-inf")))
-        delta = gl.load(delta_base + row_offsets, mask=rows < seqlen_q, other=0.0)
+        lse_log2, delta = _row_terms(lse_base, delta_base, h, rows, stride_lh, seqlen_q)
         # At most dP^T in flight: S^T is done, and so are the previous step's dV and dK, so its
         # Q and dO buffers go back to the loader.
         st, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=[st_tok, dk, dv, p_op, ds_op])
         mbarrier.arrive(qdo_empty.index((idx + NUM_STAGES - 1) % NUM_STAGES), pred=idx > 0)
-        p = gl.exp2(st * scale_log2 - lse_log2[None, :])
-        if (start_m < full_lo) | (start_m >= full_hi):
-            rel = keys[:, None] - rows[None, :]
-            p = gl.where((rel <= diag_hi) & (rel >= diag_lo), p, 0.0)
+        p = _transposed_probabilities(st, lse_log2, keys, rows, start_m, full_lo, full_hi, diag_lo, diag_hi,
+                                      scale_log2)
         p_op = gl.convert_layout(p.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])

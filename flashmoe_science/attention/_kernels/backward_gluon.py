@@ -53,6 +53,24 @@ def _step_coordinates(idx, num_blocks, h_first, lo, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _row_terms(lse_base, delta_base, h, rows, stride_lh, seqlen_q):
+    """lse in base 2 (+inf where a row sees no key or lies past Sq: p = 0) and delta of query rows `rows`."""
+    row_offsets = h.to(gl.int64) * stride_lh + rows
+    lse_log2 = _lse_log2(gl.load(lse_base + row_offsets, mask=rows < seqlen_q, other=float("-inf")))
+    return lse_log2, gl.load(delta_base + row_offsets, mask=rows < seqlen_q, other=0.0)
+
+
+@gluon.jit
+def _transposed_probabilities(st, lse_log2, keys, rows, start_m, full_lo, full_hi, diag_lo, diag_hi, scale_log2):
+    """P^T of the scores S^T (keys x query rows from start_m), masked to the band on its edges."""
+    p = gl.exp2(st * scale_log2 - lse_log2[None, :])
+    if (start_m < full_lo) | (start_m >= full_hi):
+        rel = keys[:, None] - rows[None, :]
+        p = gl.where((rel <= diag_hi) & (rel >= diag_lo), p, 0.0)
+    return p
+
+
+@gluon.jit
 def _init_bars(bars, NUM: gl.constexpr):
     for i in gl.static_range(NUM):
         mbarrier.init(bars.index(i), count=1)
@@ -149,9 +167,7 @@ def attention_backward_dkdv_gluon_kernel(
         mbarrier.wait(do_bars.index(stage), phase)
         dpt_tok = warpgroup_mma(v, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
         rows = start_m + offs_m
-        row_offsets = h.to(gl.int64) * stride_lh + rows
-        lse_log2 = _lse_log2(gl.load(lse_base + row_offsets, mask=rows < seqlen_q, other=float("-inf")))
-        delta = gl.load(delta_base + row_offsets, mask=rows < seqlen_q, other=0.0)
+        lse_log2, delta = _row_terms(lse_base, delta_base, h, rows, stride_lh, seqlen_q)
         # At most dP^T in flight: S^T is done, and so are the previous step's dV and dK, whose
         # buffers are refilled NUM_STAGES steps ahead.
         st, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=[st_tok, dk, dv, p_op, ds_op])
@@ -159,10 +175,8 @@ def attention_backward_dkdv_gluon_kernel(
         h_next, row_next = _step_coordinates(prev, num_blocks, h_first, lo, BLOCK_M)
         _load_pair(desc_q, desc_do, q_smem, do_smem, q_bars, do_bars, (idx - 1 + NUM_STAGES) % NUM_STAGES, b,
                    h_next, row_next, (idx > 0) & (prev < num_steps))
-        p = gl.exp2(st * scale_log2 - lse_log2[None, :])
-        if (start_m < full_lo) | (start_m >= full_hi):
-            rel = keys[:, None] - rows[None, :]
-            p = gl.where((rel <= diag_hi) & (rel >= diag_lo), p, 0.0)
+        p = _transposed_probabilities(st, lse_log2, keys, rows, start_m, full_lo, full_hi, diag_lo, diag_hi,
+                                      scale_log2)
         p_op = gl.convert_layout(p.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
