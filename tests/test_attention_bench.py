@@ -92,3 +92,22 @@ def test_sweep_cases_plain_and_causal_or_one_sliding_window():
                                             "--window", "1024"))
     assert windowed == [(64, 16384, True, (1024, 0)), (128, 16384, True, (1024, 0))]
     assert attention._sweep_row("sweep", 64, 16384, True, (1024, 0))["window"] == 1024
+
+
+def test_throughput_table_gives_shares_of_the_runs_matmul_ceiling():
+    """With the run's bf16 matmul ceiling in the results' meta, the throughput table gives ours and
+    cuDNN as shares of it; files without it keep the table they had."""
+    def row(impl, tflops, **extra):
+        return dict(section="throughput", mode="bwd", impl=impl, batch=4, heads=16, seqlen=4096, head_dim=128,
+                    causal=True, dtype="bfloat16", ms=1.0, tflops=tflops, **extra)
+
+    rows = [row("ours", 400.0), row("sdpa_cudnn", 440.0, ours_speedup=0.91, ours_speedup_ci=[0.9, 0.92])]
+    meta = {"mode": "bwd", "gpu": "H100", "capability": "9.0"}
+    plain = report.render("attention_bwd", {"rows": rows, "meta": meta})
+    assert "/ matmul" not in plain
+    shared = report.render("attention_bwd", {"rows": rows, "meta": {**meta, "matmul_tflops": 800.0}})
+    header = next(line for line in shared.splitlines() if line.startswith("| D |"))
+    assert header.endswith("| ours / matmul | SDPA cuDNN / matmul |")
+    line = next(line for line in shared.splitlines() if line.startswith("| 128 | 4096 | yes |"))
+    assert line.endswith("| 0.91 [0.90, 0.92] | 50% | 55% |")
+    assert "ceiling measured in the same run, 800 TFLOP/s" in shared

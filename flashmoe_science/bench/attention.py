@@ -35,8 +35,8 @@ import triton.language as tl
 from ..attention import attention_reference, flash_attention_science, flash_attention_varlen
 from ..attention.configs import HOPPER_FORWARD, forward_config
 from ..device import info_for, interpreter_active
-from .common import (Timing, attention_flops, attention_pairs, max_abs_error, rel_error, speedup_interval,
-                     time_gpu, time_wall)
+from .common import (Timing, attention_flops, attention_pairs, max_abs_error, measure_matmul_ceiling, rel_error,
+                     speedup_interval, time_gpu, time_wall)
 
 SMALL_SHAPES = [(1, 1, 32, 64), (1, 1, 64, 64), (1, 1, 128, 64), (1, 1, 256, 64), (1, 1, 512, 64), (2, 4, 128, 64)]
 TOKENS = 16384
@@ -740,6 +740,9 @@ def run(args) -> dict:
     work = GPU_WORKLOAD if device.type == "cuda" else INTERPRETER_WORKLOAD
     if separate:
         meta.update(workload={k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(work).items()})
+    if device.type == "cuda" and "throughput" in sections:
+        # The denominator of the throughput tables' fraction of the ceiling, measured in this run.
+        meta["matmul_tflops"] = round(measure_matmul_ceiling(), 1)
     rows = []
     for section in sections:
         args.checkpoint = lambda section_rows, done=list(rows): checkpoint(done + section_rows)

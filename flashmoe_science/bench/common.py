@@ -168,6 +168,23 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
+def measure_matmul_ceiling(sizes=(4096, 8192, 16384)) -> float:
+    """The bf16 matmul ceiling in TFLOP/s: the fastest cuBLAS product of square bf16 matrices of
+    `sizes`, what the tensor cores reach on a plain GEMM; throughput figures are reported as a
+    fraction of it."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b, c = torch.randn_like(a), torch.empty_like(a)
+        ms = time_gpu(lambda: torch.matmul(a, b, out=c), repeats=3).median_ms
+        best = max(best, 2.0 * n ** 3 / (ms * 1e-3) / 1e12)
+        del a, b, c
+    torch.cuda.empty_cache()
+    return best
+
+
 def write_results(out_dir, name: str, rows: list[dict], meta: dict) -> tuple[Path, Path]:
     """Writes <out_dir>/<name>.json ({"meta", "rows"}) and <name>.csv (one line per row)."""
     out = Path(out_dir)

@@ -49,19 +49,24 @@ def _attention_small(rows) -> str:
     return "\n".join(out) + "\n"
 
 
-def _attention_throughput(rows) -> str:
+def _attention_throughput(rows, ceiling=None) -> str:
+    """TFLOP/s of every implementation by (D, S, causal), ours' time ratios to the PyTorch
+    backends, and (given the run's bf16 matmul `ceiling`) ours and cuDNN as a share of it."""
     impls = list(dict.fromkeys(r["impl"] for r in rows if r.get("impl")))
     others = [i for i in impls if i != "ours"]
+    shares = [i for i in ("ours", "sdpa_cudnn") if i in impls] if ceiling else []
     grid: dict = {}
     for r in rows:
         grid.setdefault((r["head_dim"], r["seqlen"], r["causal"]), {})[r["impl"]] = r
     head = ["D", "S", "causal"] + [_IMPL_NAMES.get(i, i) for i in impls] + \
-        [f"ours / {_IMPL_NAMES.get(i, i)}" for i in others if i in ("sdpa_flash", "sdpa_cudnn", "flex")]
+        [f"ours / {_IMPL_NAMES.get(i, i)}" for i in others if i in ("sdpa_flash", "sdpa_cudnn", "flex")] + \
+        [f"{_IMPL_NAMES[i]} / matmul" for i in shares]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (d, s, causal), by in sorted(grid.items()):
         cells = [str(d), str(s), "yes" if causal else "no"]
         cells += [_fmt(by.get(i, {}).get("tflops")) for i in impls]
         cells += [_ratio_ci(by[i]) if i in by else "" for i in others if i in ("sdpa_flash", "sdpa_cudnn", "flex")]
+        cells += [f"{by[i]['tflops'] / ceiling:.0%}" if by.get(i, {}).get("tflops") else "" for i in shares]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -93,8 +98,11 @@ def render_attention(name: str, result: dict) -> str:
                      "SDPA's default dispatch; error relative to float64.\n\n" + _attention_small(small))
     tput = [r for r in rows if r.get("section") == "throughput" and r.get("tflops")]
     if tput:
+        ceiling = meta.get("matmul_tflops")
+        share = (f"; / matmul: the share of the bf16 matmul ceiling measured in the same run, {ceiling:.0f} TFLOP/s"
+                 if ceiling else "")
         parts.append(f"\nThroughput, TFLOP/s ({meta.get('mode')}; 16k tokens per batch, Hq·D = 2048, bf16; "
-                     "ratios are time ratios with 95% intervals):\n\n" + _attention_throughput(tput))
+                     f"ratios are time ratios with 95% intervals{share}):\n\n" + _attention_throughput(tput, ceiling))
     extra = _attention_extra([r for r in rows if r.get("section") in ("overhead", "memory", "train")])
     if extra:
         parts.append("\n" + extra)
