@@ -179,14 +179,17 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
     so a (B, S, H, D).transpose(1, 2) view gets a (B, S, H, D) result: also when q is a slice of
     a packed QKV projection, where empty_like falls back to a contiguous (B, H, S, D) tensor and
     the caller's transpose back to (B, S, H * D) would cost a copy."""
-    if q.stride(-1) != 1:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    order = sorted(range(q.dim()), key=lambda i: -q.stride(i))  # outermost first; stable on ties
-    if order[-1] != q.dim() - 1:  # a size-1 head dim with a tied stride: keep it innermost
-        order.remove(q.dim() - 1)
-        order.append(q.dim() - 1)
-    out = torch.empty([q.shape[i] for i in order], dtype=q.dtype, device=q.device)
-    return out.permute(sorted(range(q.dim()), key=order.__getitem__))
+    shape, strides = q.shape, q.stride()
+    if strides[-1] != 1:
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
+    last = len(shape) - 1
+    # Outermost first, stable on ties; a size-1 head dim with a tied stride stays innermost.
+    order = sorted(range(last), key=lambda i: -strides[i]) + [last]
+    dense, step = [0] * len(shape), 1
+    for i in reversed(order):
+        dense[i] = step
+        step *= max(shape[i], 1)
+    return torch.empty_strided(shape, dense, dtype=q.dtype, device=q.device)
 
 
 def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
