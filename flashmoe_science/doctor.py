@@ -37,7 +37,11 @@ def _describe(record) -> str:
     cfg = " ".join(f"{k}={v}" for k, v in record.constexprs.items())
     if record.interpreted:
         return f"{record.kernel} [interpreter] {cfg} grid={record.grid}"
-    return (f"{record.kernel} {cfg} warps={record.num_warps} stages={record.num_stages} "
+    # Registers and spills as the loaded kernel reports them (a launch bound shows as the count).
+    regs = getattr(record.compiled, "n_regs", None)
+    spills = getattr(record.compiled, "n_spills", None)
+    regs = "" if regs is None else f" regs={regs}" + (f" spills={spills}" if spills else "")
+    return (f"{record.kernel} {cfg} warps={record.num_warps} stages={record.num_stages}{regs} "
             f"smem={record.shared_bytes}B grid={record.grid}")
 
 
@@ -66,6 +70,7 @@ def _attention_cases(gpu: bool, quick: bool):
         return [(1, 2, 1, 33, 47, 64, torch.float16, True), (1, 2, 2, 20, 20, 40, torch.float32, False)]
     cases = [(4, 16, 16, 2048, 2048, 128, torch.bfloat16, True),
              (2, 16, 4, 777, 1500, 64, torch.float16, False),
+             (4, 16, 16, 2048, 2048, 64, torch.bfloat16, True),
              (8, 32, 8, 1, 4096, 128, torch.bfloat16, True),
              (2, 8, 8, 2048, 2048, 256, torch.bfloat16, False)]
     return cases[:2] if quick else cases
@@ -119,7 +124,7 @@ def _check_attention_backward(gpu: bool, quick: bool) -> bool:
     device = "cuda" if gpu else "cpu"
     ok = True
     print("\nattention backward")
-    for batch, hq, hkv, sq, sk, d, dtype, causal in _attention_cases(gpu, quick)[:2]:
+    for batch, hq, hkv, sq, sk, d, dtype, causal in _attention_cases(gpu, quick)[:3]:
         q, k, v = (torch.randn(batch, s, h, d, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
                    for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
         grad = torch.randn_like(q)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -70,15 +71,17 @@ def _compile_row(capability: int, index: int) -> dict:
     build = shipped_builds(capability)[index]
     limit = SHARED_MEMORY_PER_BLOCK[capability]
     row = {"target": f"sm{capability}", "label": build.label, "num_warps": build.num_warps,
-           "num_stages": build.num_stages, "limit": limit}
+           "num_stages": build.num_stages, "launch_maxnreg": build.maxnreg, "limit": limit}
     try:
         kernel = compile_build(build, capability)
     except Exception as exc:  # reported, and the test fails on it
         row.update(shared=None, fits=False, error=f"{type(exc).__name__}: {exc}"[:500])
     else:
         ptx = kernel.asm.get("ptx", "")
+        bound = re.search(r"^\s*\.maxnreg (\d+)", ptx, re.M)  # the launch's, or Triton's own
         row.update(shared=kernel.metadata.shared, fits=kernel.metadata.shared <= limit,
-                   wgmma="wgmma" in ptx, tma="cp.async.bulk.tensor" in ptx, error=None)
+                   wgmma="wgmma" in ptx, tma="cp.async.bulk.tensor" in ptx,
+                   maxnreg=int(bound.group(1)) if bound else None, error=None)
     return row
 
 

@@ -36,6 +36,22 @@ def test_hopper_attention_backward_tma_builds_use_wgmma_and_the_copy_engine(comp
     assert not any(r["tma"] for r in backward if r not in tma)
 
 
+@pytest.mark.targets
+def test_register_bounded_builds_compile_under_their_bound_with_room_for_the_programs_it_buys(compiled_rows):
+    """Builds launched under a register bound (the sm90 D = 64 dK/dV kernel, `dkdv_maxnreg`)
+    carry it into their PTX (.maxnreg), and their shared memory lets as many programs share an
+    SM as the bound allows by registers (65536 a Hopper SM; 1 KB reserved per block), more than
+    would share it unbounded (255 registers a thread)."""
+    bounded = [r for r in compiled_rows if r["launch_maxnreg"]]
+    assert any(r["target"] == "sm90" and r["label"].startswith("attention_backward_dkdv ") and "D=64" in r["label"]
+               for r in bounded)
+    for r in bounded:
+        assert r["maxnreg"] == r["launch_maxnreg"], r["label"]
+        programs = 65536 // (32 * r["num_warps"] * r["maxnreg"])
+        assert programs > 65536 // (32 * r["num_warps"] * 255), r["label"]
+        assert programs * (r["shared"] + 1024) <= 228 * 1024, r["label"]
+
+
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
 def test_dispatcher_only_picks_shipped_forward_configs(capability):
     shipped = {(es, bd, cfg) for es, bd, cfg in forward_configs(capability)}

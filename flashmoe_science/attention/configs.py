@@ -31,17 +31,22 @@ from ..device import DeviceInfo
 class AttentionConfig:
     """Tile shape, warps and pipeline stages of one kernel. exp_poly (the Hopper forwards only):
     how many of every four exponentials of the unmasked key blocks run on the FMA pipes instead
-    of the special-function unit (`_kernels/exp2.py`)."""
+    of the special-function unit (`_kernels/exp2.py`). maxnreg (the backward's dK/dV kernel
+    only, see `dkdv_maxnreg`): a launch bound on registers a thread, so that more programs share
+    an SM; None leaves the compiler's choice."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     exp_poly: int = 0
+    maxnreg: int | None = None
 
     def __str__(self) -> str:
         poly = f" exp_poly={self.exp_poly}" if self.exp_poly else ""
-        return f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages}{poly}"
+        regs = f" maxnreg={self.maxnreg}" if self.maxnreg else ""
+        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages}"
+                f"{poly}{regs}")
 
 
 def head_dim_block(head_dim: int) -> int:
@@ -404,7 +409,12 @@ BACKWARD = {
             # four-warp 64 x 64 tiles for both kernels (each alone: 4.87 -> 4.29 and 4.37 ms);
             # at D = 256, 64 resident keys and 128 resident rows with 32-row steps (each alone:
             # 8.82 -> 7.79 and 7.65 ms). D = 128 was already the best candidate.
-            64: B(C(64, 64, 4, 3), C(64, 64, 4, 3), tma=True),
+            # The D = 64 dK/dV kernel runs two pipeline stages under a bound of 168 registers a
+            # thread (`dkdv_maxnreg`): three programs an SM instead of two (235 registers, 66 KB of
+            # shared memory with three stages), at the cost of a 76-byte spill. H100, bf16, the
+            # backward alone, bitwise the same gradients, interleaved rounds (figures in issue 3's
+            # closing note): 5 to 7% faster from S = 2048 to 16384, causal or not.
+            64: B(C(64, 64, 4, 2, maxnreg=168), C(64, 64, 4, 3), tma=True),
             128: B(C(64, 128, 8, 3), C(128, 64, 8, 3), tma=True),
             256: B(C(64, 64, 8, 2), C(128, 32, 8, 2), tma=True)},
         4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
@@ -461,7 +471,9 @@ PACKED_CAUSAL_BACKWARD = {
 # dK/dV kernel's 64 keys split by columns between two warpgroups (no register spills, where the
 # Triton kernel spilled 256 bytes) and a one-warpgroup dQ kernel. At D = 64 the best of 35 Gluon
 # candidates ties the Triton kernels, which stay: 375 against 385 TFLOP/s, causal 355 against 347
-# (H100, benchmarks/results/attention_backward_sweep_gluon_d64.json).
+# (H100, benchmarks/results/attention_backward_sweep_gluon_d64.json); since the Triton dK/dV
+# kernel's register bound (BACKWARD) they lead by 5 to 8%, and the same bound on the Gluon dK/dV
+# kernel (a 108-byte spill) made it 11 to 17% slower than unbounded (one-off H100 A/B).
 GLUON_BACKWARD = {128: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 2), tma=True,
                                       gluon=True),
                   256: BackwardConfig(AttentionConfig(64, 64, 8, 2), AttentionConfig(64, 64, 4, 2), tma=True,
@@ -646,6 +658,15 @@ def fused_backward_maxnreg(block_d: int, dkdv: AttentionConfig) -> int | None:
     return None
 
 
+def dkdv_maxnreg(dkdv: AttentionConfig, tma: bool, softcap: bool, varlen: bool) -> int | None:
+    """The launch register bound of a Triton dK/dV kernel build: the config's `maxnreg` for the
+    dense build that moves its tiles through descriptors without softcap, the one it was measured
+    on; None for the others, whose softcap terms, pointer arithmetic and packed-sequence bounds
+    take more registers (ptxas: 233 to 255 a thread at D = 64 unbounded) and would spill
+    hundreds of bytes under it."""
+    return dkdv.maxnreg if tma and not softcap and not varlen else None
+
+
 def _backward_builds(capability: int):
     from itertools import product
 
@@ -654,7 +675,8 @@ def _backward_builds(capability: int):
 
     ptr = {2: "*fp16", 4: "*fp32"}
 
-    def build(kernel, label, element_size, block_d, pointers, constexprs, num_warps, num_stages, tiles=None):
+    def build(kernel, label, element_size, block_d, pointers, constexprs, num_warps, num_stages, tiles=None,
+              maxnreg=None):
         """`tiles` (TMA builds): the tensor arguments that are descriptors, with their tile rows."""
         sig = {arg: "i32" for arg in kernel.arg_names}
         sig.update({arg: ptr[element_size] for arg in pointers})
@@ -672,7 +694,7 @@ def _backward_builds(capability: int):
         options = "".join(f" {name}" for name in ("softcap", "varlen") if constexprs.get(name.upper()))
         return KernelBuild(label=f"{label} fp{8 * element_size} D={block_d}{options}", fn=kernel, signature=sig,
                            constexprs=constexprs, num_warps=num_warps, num_stages=num_stages,
-                           aligned=tuple(aligned))
+                           aligned=tuple(aligned), maxnreg=maxnreg)
 
     for element_size, block_d, cfg in backward_configs(capability):
         if cfg.gluon:
@@ -699,7 +721,8 @@ def _backward_builds(capability: int):
                              DQ_MODE=backward.DQ_MODES["kernel"], TMA=tma, **options),
                         dkdv.num_warps, dkdv.num_stages,
                         tiles=tma and dict(Q=dkdv.block_m, DO=dkdv.block_m, K=dkdv.block_n, V=dkdv.block_n,
-                                           **stored(DK=dkdv.block_n, DV=dkdv.block_n)))
+                                           **stored(DK=dkdv.block_n, DV=dkdv.block_n)),
+                        maxnreg=dkdv_maxnreg(dkdv, tma, options["SOFTCAP"], options["VARLEN"]))
             yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {dq}", element_size,
                         block_d, ("Q", "K", "V", "DO", "O", "DQ"),
                         dict(BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, TMA=tma, DELTA_HERE=True, **options),

@@ -23,8 +23,8 @@ from ._kernels.backward import (DQ_MODES, attention_backward_dkdv_kernel, attent
                                 attention_backward_preprocess_kernel)
 from ._kernels.forward import attention_forward_kernel
 from . import hopper
-from .configs import (HOPPER_MIN_FLOPS, PREPROCESS_WARPS, backward_config, forward_config, gluon_backward_config,
-                      head_dim_block, hopper_forward_config, preprocess_block_m)
+from .configs import (HOPPER_MIN_FLOPS, PREPROCESS_WARPS, backward_config, dkdv_maxnreg, forward_config,
+                      gluon_backward_config, head_dim_block, hopper_forward_config, preprocess_block_m)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -260,7 +260,7 @@ class _BackwardPlan:
 
     __slots__ = ("empty", "copy_last_dim", "config", "default_scale", "softcap", "packed", "lse_shape",
                  "device_index", "preprocess_grid", "dkdv_grid", "dq_grid", "preprocess_options", "dkdv_options",
-                 "dq_options", "dq_mode", "tma", "gluon", "window")
+                 "dq_options", "dq_mode", "tma", "gluon", "window", "dkdv_maxnreg")
 
     def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None):
         grad_output, q, k, v, out, _ = tensors
@@ -313,6 +313,7 @@ class _BackwardPlan:
             cfg = self.config = gluon_backward_config(info_for(q), q.element_size(), head_dim) or cfg
         self.gluon = cfg.gluon and gluon_ok
         self.window = window
+        self.dkdv_maxnreg = dkdv_maxnreg(cfg.dkdv, self.tma, softcap > 0, packed)
 
 
 _BACKWARD_PLANS: dict = {}
@@ -416,7 +417,8 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
         key, plan.dkdv_grid,
         (q_, k_, v_, do_, lse, delta, dk_, dv_, dq_target, cu_seqlens_q, cu_seqlens_k, sequence_order, *scales,
          *sq, *sk, *sv, *sdo, *sdk, *sdv, *sacc) + plan.dkdv_options + (mode, tma),
-        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, device_index=plan.device_index)
+        num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, device_index=plan.device_index,
+        maxnreg=plan.dkdv_maxnreg)
     if dq_acc is not None:
         dq.copy_(dq_acc)
     return dq, dk, dv
