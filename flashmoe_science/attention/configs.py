@@ -409,11 +409,12 @@ BACKWARD = {
             # four-warp 64 x 64 tiles for both kernels (each alone: 4.87 -> 4.29 and 4.37 ms);
             # at D = 256, 64 resident keys and 128 resident rows with 32-row steps (each alone:
             # 8.82 -> 7.79 and 7.65 ms). D = 128 was already the best candidate.
-            # The D = 64 dK/dV kernel runs two pipeline stages under a bound of 168 registers a
-            # thread (`dkdv_maxnreg`): three programs an SM instead of two (235 registers, 66 KB of
-            # shared memory with three stages), at the cost of a 76-byte spill. H100, bf16, the
-            # backward alone, bitwise the same gradients, interleaved rounds (figures in issue 3's
-            # closing note): 5 to 7% faster from S = 2048 to 16384, causal or not.
+            # The D = 64 dK/dV kernel runs under a bound of 168 registers a thread
+            # (`dkdv_maxnreg`): three programs an SM instead of two (unbounded it takes 235). With
+            # two pipeline stages rather than three it spills 76 bytes rather than 228 and ran
+            # faster. H100, bf16, the backward alone, bitwise the same gradients, interleaved
+            # rounds (figures in issue 3's closing note): 5 to 8% faster than the unbounded
+            # three-stage kernel from S = 2048 to 16384, causal or not.
             64: B(C(64, 64, 4, 2, maxnreg=168), C(64, 64, 4, 3), tma=True),
             128: B(C(64, 128, 8, 3), C(128, 64, 8, 3), tma=True),
             256: B(C(64, 64, 8, 2), C(128, 32, 8, 2), tma=True)},
