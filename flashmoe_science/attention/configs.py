@@ -685,13 +685,14 @@ def _backward_builds(capability: int):
             sig.update({arg: f"tensordesc<fp16[1,1,{rows},{block_d}]>" for arg, rows in tiles.items()})
             pointers = [a for a in pointers if a not in tiles]
             label += " tma"
-        sig.update({arg: "*fp32" for arg in ("LSE", "DELTA") if arg in sig})
+        sig.update({arg: "*fp32" for arg in ("LSE", "DELTA", "LSE_LOG2") if arg in sig})
         sig.update({arg: "*i32" for arg in ("CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUENCE_ORDER") if arg in sig})
         sig.update({arg: "fp32" for arg in ("softmax_scale", "scale_log2", "softcap_scale", "softcap_log2")
                     if arg in sig})
         constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, **constexprs)
         sig.update({arg: "constexpr" for arg in constexprs})
-        aligned = [a for a in kernel.arg_names if a in pointers or a in ("LSE", "DELTA") or a.startswith("stride_")]
+        aligned = [a for a in kernel.arg_names
+                   if a in pointers or a in ("LSE", "DELTA", "LSE_LOG2") or a.startswith("stride_")]
         options = "".join(f" {name}" for name in ("softcap", "varlen") if constexprs.get(name.upper()))
         return KernelBuild(label=f"{label} fp{8 * element_size} D={block_d}{options}", fn=kernel, signature=sig,
                            constexprs=constexprs, num_warps=num_warps, num_stages=num_stages,

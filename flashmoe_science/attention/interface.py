@@ -365,7 +365,9 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     if plan.empty:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
-    delta = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    # Per query row: delta, and lse in base 2 with +inf for rows that saw no key (what the dK/dV
+    # kernel subtracts), both written by the dQ or the preprocess kernel.
+    delta, lse_log2 = torch.empty((2, *plan.lse_shape), dtype=torch.float32, device=q.device)
     packed = plan.packed
     so, sdo = _row_strides(out, packed), _row_strides(grad_output, packed)
     mode = plan.dq_mode
@@ -375,7 +377,7 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
         key = (key, delta_here)
     if not delta_here:
         _BACKWARD_PREPROCESS.launch(key, plan.preprocess_grid,
-                                    (out, grad_output, delta, *so, *sdo) + plan.preprocess_options,
+                                    (out, grad_output, lse, delta, lse_log2, *so, *sdo) + plan.preprocess_options,
                                     num_warps=PREPROCESS_WARPS, num_stages=1, device_index=plan.device_index)
         if grad_lse is not None:
             delta.sub_(grad_lse)
@@ -399,7 +401,7 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
             q_, k_, v_, do_, dq_ = q, k, v, grad_output, dq
         _BACKWARD_DQ.launch(
             key, plan.dq_grid,
-            (q_, k_, v_, do_, out, lse, delta, dq_, cu_seqlens_q, cu_seqlens_k, sequence_order, *scales,
+            (q_, k_, v_, do_, out, lse, delta, lse_log2, dq_, cu_seqlens_q, cu_seqlens_k, sequence_order, *scales,
              *sq, *sk, *sv, *sdo, *so, *sdq) + plan.dq_options + (tma, delta_here),
             num_warps=cfg.dq.num_warps, num_stages=cfg.dq.num_stages, device_index=plan.device_index)
         dq_acc, dq_target, sacc = None, None, (0, 0, 0)
@@ -415,7 +417,7 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
         q_, k_, v_, do_, dk_, dv_ = q, k, v, grad_output, dk, dv
     _BACKWARD_DKDV.launch(
         key, plan.dkdv_grid,
-        (q_, k_, v_, do_, lse, delta, dk_, dv_, dq_target, cu_seqlens_q, cu_seqlens_k, sequence_order, *scales,
+        (q_, k_, v_, do_, lse_log2, delta, dk_, dv_, dq_target, cu_seqlens_q, cu_seqlens_k, sequence_order, *scales,
          *sq, *sk, *sv, *sdo, *sdk, *sdv, *sacc) + plan.dkdv_options + (mode, tma),
         num_warps=cfg.dkdv.num_warps, num_stages=cfg.dkdv.num_stages, device_index=plan.device_index,
         maxnreg=plan.dkdv_maxnreg)
