@@ -55,10 +55,11 @@ variable-length (Hq, total_q). The preprocess kernel needs no sequence structure
 on the packed tokens as one batch entry.
 
 Rows that saw no key in the forward have lse = -inf. Their lse is read (and stored in base 2)
-as +inf instead, so every p of theirs is exp2(-inf) = 0 and their gradients are exactly zero. Padding rows past Sq load
-q = dO = 0 and lse = -inf (read as +inf) for the same effect, so query tails need load masks but
-no score mask. Key tails need a score mask where they feed dQ (a zero key row still scores 0,
-not -inf), but not in the dK/dV kernel, where only their own unstored rows see them.
+as +inf instead, so every p of theirs is exp2(-inf) = 0 and their gradients are exactly zero.
+Padding rows past Sq load q = dO = 0 and lse = +inf for the same effect, so query tails need
+load masks but no score mask. Key tails need a score mask where they feed dQ (a zero key row
+still scores 0, not -inf), but not in the dK/dV kernel, where only their own unstored rows see
+them.
 """
 import triton
 import triton.language as tl
