@@ -1,13 +1,15 @@
 """`bench attention` varlen and window sections end to end at the interpreter's tiny size, so that
-a mistake in them shows here rather than after a GPU run (FlexAttention, GPU-only, is left out)."""
+a mistake in them shows here rather than after a GPU run (FlexAttention, GPU-only, is left out);
+and the statistics and report lines of the GPU-only sections."""
 import argparse
 import itertools
 import math
+import random
 
 import pytest
 import torch
 
-from flashmoe_science.bench import attention, report
+from flashmoe_science.bench import attention, common, report
 from flashmoe_science.bench.common import attention_flops, attention_pairs
 
 
@@ -111,3 +113,32 @@ def test_throughput_table_gives_shares_of_the_runs_matmul_ceiling():
     line = next(line for line in shared.splitlines() if line.startswith("| 128 | 4096 | yes |"))
     assert line.endswith("| 0.91 [0.90, 0.92] | 50% | 55% |")
     assert "ceiling measured in the same run, 800 TFLOP/s" in shared
+
+
+def test_paired_interval_cancels_a_drift_both_sides_share():
+    # Rounds whose clocks drift by up to +-5% alike on both sides, ours 2% faster in every round:
+    # the rounds' ratios are all 1.02, while each side alone spreads over the drift.
+    rng = random.Random(1)
+    drift = [1 + rng.uniform(-0.05, 0.05) for _ in range(20)]
+    ours = [1.0 * d for d in drift]
+    theirs = [1.02 * d * (1 + rng.uniform(-0.001, 0.001)) for d in drift]
+    ratio, lo, hi = common.paired_speedup_interval(ours, theirs)
+    assert lo <= ratio <= hi
+    assert 1.015 < lo and hi < 1.025
+    _, unpaired_lo, unpaired_hi = common.speedup_interval(common.Timing.from_samples(ours),
+                                                          common.Timing.from_samples(theirs))
+    assert unpaired_lo < 1.0 < unpaired_hi
+    # Swapping the sides inverts the ratio; the rounds must pair up.
+    assert common.paired_speedup_interval(theirs, ours)[0] == pytest.approx(1 / 1.02, rel=2e-3)
+    with pytest.raises(ValueError, match="as many rounds"):
+        common.paired_speedup_interval(ours, theirs[:-1])
+
+
+def test_train_line_gives_the_paired_ratio_to_three_decimals():
+    base = dict(section="train", mode="fwd+bwd", batch=8, seqlen=2048, dim=1024, heads=16)
+    rows = [dict(base, impl="ours", ms=3.69, ours_speedup=None),
+            dict(base, impl="sdpa_default", ms=3.72, ours_speedup=1.0081, ours_speedup_ci=[1.0042, 1.0113],
+                 rounds=40)]
+    text = report._attention_extra(rows)
+    assert "ours 3.690 ms" in text
+    assert "ours 1.008 [1.004, 1.011]x faster (median of 40 interleaved rounds' ratios)" in text

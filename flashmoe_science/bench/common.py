@@ -98,6 +98,19 @@ def speedup_interval(ours: Timing, theirs: Timing, *, resamples: int = 2000, see
     return ratio, values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
 
 
+def paired_speedup_interval(ours, theirs, *, resamples: int = 2000, seed: int = 0):
+    """theirs / ours (above 1: we are faster) from timings taken in pairs, ours[i] and theirs[i]
+    back to back in round i: the median of the rounds' ratios with a bootstrap 95% interval that
+    resamples whole rounds. A drift (clocks, temperature) shared by a round's two timings cancels
+    in its ratio, where `speedup_interval`, which resamples each side on its own, counts it as
+    spread."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired timings need as many rounds on each side, got {len(ours)} and {len(theirs)}")
+    ratios = [b / a for a, b in zip(ours, theirs)]
+    lo, hi = bootstrap_interval(ratios, statistics.median, resamples=resamples, seed=seed)
+    return statistics.median(ratios), lo, hi
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; inf if out has NaN."""
     out, ref = out.double(), ref.double()

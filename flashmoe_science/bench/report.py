@@ -81,10 +81,15 @@ def _attention_extra(rows) -> str:
             out.append(f"- peak extra memory, forward+backward, B={r['batch']} H={r['heads']} S={r['seqlen']} "
                        f"D={r['head_dim']} causal: {_IMPL_NAMES.get(r['impl'], r['impl'])} {r['peak_extra_mib']:.0f} MiB")
         elif r["section"] == "train":
-            speed = f", ours {_ratio_ci(r)}x faster" if r.get("ours_speedup") else ""
+            speed = ""
+            if r.get("ours_speedup"):  # a ratio near 1: three decimals, and how it was taken
+                lo, hi = r["ours_speedup_ci"]
+                speed = f", ours {r['ours_speedup']:.3f} [{lo:.3f}, {hi:.3f}]x faster"
+                if r.get("rounds"):
+                    speed += f" (median of {r['rounds']} interleaved rounds' ratios)"
             out.append(f"- transformer block forward+backward (B={r['batch']}, S={r['seqlen']}, dim={r['dim']}, "
                        f"{r['heads']} heads, causal, bf16): {_IMPL_NAMES.get(r['impl'], r['impl'])} "
-                       f"{r['ms']:.2f} ms{speed}")
+                       f"{r['ms']:.3f} ms{speed}")
     return "\n".join(out) + ("\n" if out else "")
 
 
