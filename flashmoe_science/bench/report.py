@@ -30,11 +30,11 @@ def _fmt(x, digits=0):
     return "" if x is None else f"{x:.{digits}f}"
 
 
-def _ratio_ci(r, key="ours_speedup"):
+def _ratio_ci(r, key="ours_speedup", digits=2):
     if r.get(key) is None:
         return ""
     lo, hi = r.get(key + "_ci") or (None, None)
-    return f"{r[key]:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
+    return f"{r[key]:.{digits}f}" + (f" [{lo:.{digits}f}, {hi:.{digits}f}]" if lo is not None else "")
 
 
 def _attention_small(rows) -> str:
@@ -83,8 +83,7 @@ def _attention_extra(rows) -> str:
         elif r["section"] == "train":
             speed = ""
             if r.get("ours_speedup"):  # a ratio near 1: three decimals, and how it was taken
-                lo, hi = r["ours_speedup_ci"]
-                speed = f", ours {r['ours_speedup']:.3f} [{lo:.3f}, {hi:.3f}]x faster"
+                speed = f", ours {_ratio_ci(r, digits=3)}x faster"
                 if r.get("rounds"):
                     speed += f" (median of {r['rounds']} interleaved rounds' ratios)"
             out.append(f"- transformer block forward+backward (B={r['batch']}, S={r['seqlen']}, dim={r['dim']}, "
