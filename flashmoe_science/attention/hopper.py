@@ -69,19 +69,26 @@ def supports_backward(tensors, head_dim: int) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-def backward_descriptors(row_tensors, key_tensors, config):
+def backward_descriptors(row_tensors, key_tensors, config, built=None):
     """Descriptors for one backward kernel: `row_tensors` in tiles of config.block_m rows,
     `key_tensors` of config.block_n (an AttentionConfig). Dense (B, H, S, D) tensors as they are;
-    packed (total, H, D) ones as one batch entry (1, H, total, D)."""
+    packed (total, H, D) ones as one batch entry (1, H, total, D). `built`, a dict shared by the
+    calls for one backward's kernels, hands a tensor's descriptor to every kernel whose tiles of it
+    have the same rows."""
     block_d = head_dim_block(row_tensors[0].shape[-1])
+    built = {} if built is None else built
 
     def describe(t, rows):
+        desc = built.get((id(t), rows))
+        if desc is not None:
+            return desc
         if t.dim() == 3:
             total, heads, head_dim = t.shape
             shape, strides = [1, heads, total, head_dim], [t.numel(), t.stride(1), t.stride(0), 1]
         else:
             shape, strides = list(t.shape), list(t.stride())
-        return _checked_descriptor(TensorDescriptor, t, shape, strides, [1, 1, rows, block_d])
+        desc = built[id(t), rows] = _checked_descriptor(TensorDescriptor, t, shape, strides, [1, 1, rows, block_d])
+        return desc
 
     return (tuple(describe(t, config.block_m) for t in row_tensors),
             tuple(describe(t, config.block_n) for t in key_tensors))

@@ -47,8 +47,12 @@ def _cdiv(a: int, b: int) -> int:
 def _row_strides(t: torch.Tensor, packed: bool) -> tuple:
     """The (batch, head, row) strides the kernels take: those of a (B, H, S, D) tensor, or for a
     packed (total, H, D) one batch stride 0 (programs find a sequence by its first row)."""
-    s = t.stride()
-    return (0, s[1], s[0]) if packed else s[:3]
+    return _rows(t.stride(), packed)
+
+
+def _rows(s: tuple, packed: bool) -> tuple:
+    """`_row_strides` of a tensor with strides s."""
+    return (0, s[1], s[0]) if packed else tuple(s[:3])
 
 
 def _kernel_window(causal: bool, window_size) -> tuple[int, int]:
@@ -66,12 +70,14 @@ class _ForwardPlan:
     """
 
     __slots__ = ("empty", "contiguous", "config", "grid", "default_scale", "softcap", "packed", "lse_shape",
-                 "device_index", "kernel_options", "launch_tail", "hopper", "window", "causal")
+                 "device_index", "kernel_options", "launch_tail", "hopper", "window", "causal", "out_strides")
 
     def __init__(self, q, k, v, batch, seqlen_q, seqlen_k, causal, window_size, softcap, write_lse, packed,
                  config=None):
         heads_q, head_dim = q.shape[1], q.shape[-1]
         self.contiguous = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+        # `_output_like` of the q the kernel runs on (a contiguous copy where `contiguous`)
+        self.out_strides = _dense_strides(q.shape, None if self.contiguous else q.stride())
         self.empty = q.numel() == 0
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.softcap = float(softcap)
@@ -179,17 +185,22 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
     so a (B, S, H, D).transpose(1, 2) view gets a (B, S, H, D) result: also when q is a slice of
     a packed QKV projection, where empty_like falls back to a contiguous (B, H, S, D) tensor and
     the caller's transpose back to (B, S, H * D) would cost a copy."""
-    shape, strides = q.shape, q.stride()
-    if strides[-1] != 1:
-        return torch.empty(shape, dtype=q.dtype, device=q.device)
+    return torch.empty_strided(q.shape, _dense_strides(q.shape, q.stride()), dtype=q.dtype, device=q.device)
+
+
+def _dense_strides(shape, strides=None) -> tuple:
+    """The strides of `_output_like` for a tensor of this shape and these strides: its dimensions'
+    memory order, densely packed; contiguous where strides is None or its last stride is not 1."""
     last = len(shape) - 1
+    if strides is None or strides[last] != 1:
+        strides = range(len(shape), 0, -1)  # any decreasing strides: row-major order
     # Outermost first, stable on ties; a size-1 head dim with a tied stride stays innermost.
     order = sorted(range(last), key=lambda i: -strides[i]) + [last]
     dense, step = [0] * len(shape), 1
     for i in reversed(order):
         dense[i] = step
         step *= max(shape[i], 1)
-    return torch.empty_strided(shape, dense, dtype=q.dtype, device=q.device)
+    return tuple(dense)
 
 
 def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
@@ -199,7 +210,7 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
     Packed batches pass their cumulative lengths and `sequence_order` (`varlen.longest_first`)."""
     if plan.contiguous:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = _output_like(q)
+    out = torch.empty_strided(q.shape, plan.out_strides, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if write_lse else None
     if plan.empty:
         return out, lse
@@ -260,12 +271,18 @@ class _BackwardPlan:
 
     __slots__ = ("empty", "copy_last_dim", "config", "default_scale", "softcap", "packed", "lse_shape",
                  "device_index", "preprocess_grid", "dkdv_grid", "dq_grid", "preprocess_options", "dkdv_options",
-                 "dq_options", "dq_mode", "tma", "gluon", "window", "dkdv_maxnreg")
+                 "dq_options", "dq_mode", "tma", "gluon", "window", "dkdv_maxnreg", "grad_strides", "row_strides")
 
     def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None):
         grad_output, q, k, v, out, _ = tensors
         heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[-1]
         self.copy_last_dim = any(t.stride(-1) != 1 for t in (grad_output, q, k, v, out))
+        # The layouts the kernels see (a tensor whose last dimension is not contiguous is copied
+        # first), those of the gradients (`_output_like`), and the (batch, head, row) strides of
+        # grad_output, q, k, v, out, dq, dk, dv: fixed by the plan's key, so not derived per call.
+        strides = [t.stride() if t.stride(-1) == 1 else _dense_strides(t.shape) for t in (grad_output, q, k, v, out)]
+        self.grad_strides = tuple(_dense_strides(t.shape, st) for t, st in zip((q, k, v), strides[1:4]))
+        self.row_strides = tuple(_rows(st, packed) for st in strides + list(self.grad_strides))
         self.empty = q.numel() == 0 or k.numel() == 0
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.softcap = float(softcap)
@@ -361,15 +378,16 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     """
     if plan.copy_last_dim:
         grad_output, q, k, v, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_output, q, k, v, out))
-    dq, dk, dv = _output_like(q), _output_like(k), _output_like(v)
+    dq, dk, dv = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
+                  for t, st in zip((q, k, v), plan.grad_strides))
     if plan.empty:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
     # Per query row: delta, and lse in base 2 with +inf for rows that saw no key (what the dK/dV
     # kernel subtracts), both written by the dQ or the preprocess kernel.
-    delta, lse_log2 = torch.empty((2, *plan.lse_shape), dtype=torch.float32, device=q.device)
+    delta, lse_log2 = torch.empty((2, *plan.lse_shape), dtype=torch.float32, device=q.device).unbind(0)
     packed = plan.packed
-    so, sdo = _row_strides(out, packed), _row_strides(grad_output, packed)
+    sdo, sq, sk, sv, so, sdq, sdk, sdv = plan.row_strides
     mode = plan.dq_mode
     # The dQ kernel computes delta itself unless it does not run or lse has a gradient to add.
     delta_here = mode == DQ_MODES["kernel"] and grad_lse is None
@@ -384,7 +402,6 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
     softcap = plan.softcap
     scales = (scale, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E)
-    sq, sk, sv, sdq, sdk, sdv = (_row_strides(t, packed) for t in (q, k, v, dq, dk, dv))
     cfg = plan.config
     if plan.gluon:
         hopper.launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, scale, cfg, plan.window,
@@ -392,9 +409,10 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
         return dq, dk, dv
     tma = plan.tma  # descriptors hold data pointers, so they are built per call; what Triton
     # specialises a kernel on (their dtype and tile shape) follows from the plan, so `key` holds
+    built = {}  # the two kernels share a descriptor wherever their tiles of a tensor have the same rows
     if mode == DQ_MODES["kernel"]:  # first: it writes delta for the dK/dV kernel
         if tma:
-            (q_, do_, dq_), (k_, v_) = hopper.backward_descriptors((q, grad_output, dq), (k, v), cfg.dq)
+            (q_, do_, dq_), (k_, v_) = hopper.backward_descriptors((q, grad_output, dq), (k, v), cfg.dq, built)
             if packed:
                 dq_ = dq
         else:
@@ -410,7 +428,8 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
         sacc = _row_strides(dq_acc, packed)
         dq_target = hopper.reduce_descriptor(dq_acc, packed, cfg.dkdv.block_m) if mode == DQ_MODES["tma"] else dq_acc
     if tma:
-        (q_, do_), (k_, v_, dk_, dv_) = hopper.backward_descriptors((q, grad_output), (k, v, dk, dv), cfg.dkdv)
+        (q_, do_), (k_, v_, dk_, dv_) = hopper.backward_descriptors((q, grad_output), (k, v, dk, dv), cfg.dkdv,
+                                                                    built)
         if packed:
             dk_, dv_ = dk, dv
     else:
