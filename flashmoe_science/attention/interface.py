@@ -44,14 +44,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _row_strides(t: torch.Tensor, packed: bool) -> tuple:
-    """The (batch, head, row) strides the kernels take: those of a (B, H, S, D) tensor, or for a
-    packed (total, H, D) one batch stride 0 (programs find a sequence by its first row)."""
-    return _rows(t.stride(), packed)
-
-
-def _rows(s: tuple, packed: bool) -> tuple:
-    """`_row_strides` of a tensor with strides s."""
+def _row_strides(s: tuple, packed: bool) -> tuple:
+    """The (batch, head, row) strides the kernels take from a tensor's strides s: those of a
+    (B, H, S, D) tensor, or for a packed (total, H, D) one batch stride 0 (programs find a
+    sequence by its first row)."""
     return (0, s[1], s[0]) if packed else tuple(s[:3])
 
 
@@ -229,8 +225,9 @@ def run_forward(plan: _ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, so
     tail = plan.launch_tail
     if tail is None:
         packed = plan.packed
-        tail = plan.launch_tail = (*_row_strides(q, packed), *_row_strides(k, packed), *_row_strides(v, packed),
-                                   *_row_strides(out, packed)) + plan.kernel_options
+        tail = plan.launch_tail = (*_row_strides(q.stride(), packed), *_row_strides(k.stride(), packed),
+                                   *_row_strides(v.stride(), packed), *_row_strides(out.stride(), packed)
+                                   ) + plan.kernel_options
     cfg = plan.config
     _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, cu_seqlens_q, cu_seqlens_k,
                                      sequence_order, scale * _LOG2E, scale / softcap if softcap else 0.0, softcap * _LOG2E) + tail,
@@ -282,7 +279,7 @@ class _BackwardPlan:
         # grad_output, q, k, v, out, dq, dk, dv: fixed by the plan's key, so not derived per call.
         strides = [t.stride() if t.stride(-1) == 1 else _dense_strides(t.shape) for t in (grad_output, q, k, v, out)]
         self.grad_strides = tuple(_dense_strides(t.shape, st) for t, st in zip((q, k, v), strides[1:4]))
-        self.row_strides = tuple(_rows(st, packed) for st in strides + list(self.grad_strides))
+        self.row_strides = tuple(_row_strides(st, packed) for st in strides + list(self.grad_strides))
         self.empty = q.numel() == 0 or k.numel() == 0
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.softcap = float(softcap)
@@ -425,7 +422,7 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
         dq_acc, dq_target, sacc = None, None, (0, 0, 0)
     else:  # fp32 accumulator with dq's layout, scaled in the kernel
         dq_acc = torch.zeros_like(dq, dtype=torch.float32)
-        sacc = _row_strides(dq_acc, packed)
+        sacc = _row_strides(dq_acc.stride(), packed)
         dq_target = hopper.reduce_descriptor(dq_acc, packed, cfg.dkdv.block_m) if mode == DQ_MODES["tma"] else dq_acc
     if tma:
         (q_, do_), (k_, v_, dk_, dv_) = hopper.backward_descriptors((q, grad_output), (k, v, dk, dv), cfg.dkdv,
