@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
 #   stages: env tests sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
-#           attention-fwd+bwd attention-varlen-window moe moe-fwd+bwd moe-train moe-sweep moe-bwd-sweep
+#           attention-fwd+bwd attention-varlen-window attention-calls moe moe-fwd+bwd moe-train moe-sweep
+#           moe-bwd-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
@@ -15,7 +16,8 @@ RESULTS="$OUT/results"
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 FLASHMOE_NO_PROGRESS=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env tests attention-fwd attention-bwd attention-varlen-window moe moe-fwd+bwd moe-train)
+[ ${#stages[@]} -eq 0 ] && stages=(env tests attention-fwd attention-bwd attention-varlen-window attention-calls moe moe-fwd+bwd
+                                   moe-train)
 TESTS=${TESTS:-tests}            # which tests the tests stage runs
 BENCH_ARGS=${BENCH_ARGS:-}       # extra options for every bench stage, e.g. "--repeats 3"
 bench() { python3 -m flashmoe_science bench "$@" --out "$RESULTS" $BENCH_ARGS 2>&1 | tee -a "$RESULTS/bench.log"; }
@@ -49,6 +51,7 @@ for stage in "${stages[@]}"; do
     attention-bwd) bench attention --mode bwd ;;
     attention-fwd+bwd) bench attention --mode fwd+bwd --sections throughput ;;
     attention-varlen-window) bench attention --mode fwd+bwd --sections varlen,window --no-plot ;;
+    attention-calls) bench attention --mode fwd+bwd --sections calls --no-plot ;;
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;

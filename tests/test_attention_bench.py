@@ -1,6 +1,7 @@
 """`bench attention` varlen and window sections end to end at the interpreter's tiny size, so that
 a mistake in them shows here rather than after a GPU run (FlexAttention, GPU-only, is left out);
-and the statistics and report lines of the GPU-only sections."""
+the train section's block on each side; and the statistics and report lines of the GPU-only
+sections."""
 import argparse
 import itertools
 import math
@@ -134,11 +135,54 @@ def test_paired_interval_cancels_a_drift_both_sides_share():
         common.paired_speedup_interval(ours, theirs[:-1])
 
 
-def test_train_line_gives_the_paired_ratio_to_three_decimals():
-    base = dict(section="train", mode="fwd+bwd", batch=8, seqlen=2048, dim=1024, heads=16)
-    rows = [dict(base, impl="ours", ms=3.69, ours_speedup=None),
-            dict(base, impl="sdpa_default", ms=3.72, ours_speedup=1.0081, ours_speedup_ci=[1.0042, 1.0113],
-                 rounds=40)]
-    text = report._attention_extra(rows)
-    assert "ours 3.690 ms" in text
-    assert "ours 1.008 [1.004, 1.011]x faster (median of 40 interleaved rounds' ratios)" in text
+def test_train_lines_give_each_sides_paired_ratio_to_three_decimals():
+    base = dict(section="train", mode="fwd+bwd", batch=8, seqlen=2048, dim=1024, heads=16, rounds=40)
+    rows = [dict(base, impl="ours_packed", ms=3.65, ours_speedup=1.0192, ours_speedup_ci=[1.0151, 1.0233]),
+            dict(base, impl="ours", ms=3.69, ours_speedup=1.0081, ours_speedup_ci=[1.0042, 1.0113]),
+            dict(base, impl="sdpa_default", ms=3.72, ours_speedup=None)]
+    lines = report._attention_extra(rows).splitlines()
+    assert lines[0].endswith("ours, `flash_attention_qkvpacked` on the projection 3.650 ms, 1.019 [1.015, 1.023]x "
+                             "SDPA default's speed (median of 40 interleaved rounds' ratios)")
+    assert "ours, `flash_attention_science` on q, k, v views 3.690 ms, 1.008 [1.004, 1.011]x" in lines[1]
+    assert lines[2].endswith("SDPA default 3.720 ms")
+    # Files from before the packed side carry ours' ratio on SDPA's row.
+    old = [dict(base, impl="ours", ms=3.69, ours_speedup=None),
+           dict(base, impl="sdpa_default", ms=3.72, ours_speedup=1.0081, ours_speedup_ci=[1.0042, 1.0113])]
+    assert "SDPA default 3.720 ms, ours 1.008 [1.004, 1.011]x faster" in report._attention_extra(old)
+
+
+def test_train_sides_compute_the_same_block(device):
+    """The train section's three sides differ only in how attention is called: one loss and
+    the same parameter gradients (float32, small)."""
+    block = attention.Block(64, 2, None).to(device)
+    x = torch.randn(2, 24, 64, device=device)
+    results = {}
+    for name, side in attention.train_attentions().items():
+        block.attention = side
+        loss = block(x).square().mean()
+        results[name] = (loss, torch.autograd.grad(loss, list(block.parameters())))
+    ref_loss, ref_grads = results.pop("sdpa_default")
+    tol = 1e-2 if x.is_cuda else 1e-4  # tf32 products on the GPU
+    for name, (loss, grads) in results.items():
+        torch.testing.assert_close(loss, ref_loss, rtol=tol, atol=tol * 1e-2)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=tol, atol=tol * 1e-1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the section runs at full size: the benchmark")
+def test_calls_section_rows_and_report():
+    """Run alone, the calls section writes a file of its own: each side's wall-clock per training
+    call, and ours' ratio to SDPA's."""
+    args = parse("--mode", "fwd+bwd", "--sections", "calls")
+    result = attention.run(args)
+    assert result["name"] == "attention_calls_fwd_bwd"
+    rows = result["rows"]
+    assert [r["impl"] for r in rows] == list(attention.train_attentions())
+    for r in rows:
+        assert r["mode"] == "fwd+bwd" and r["wall_us"] > 0
+        assert (r["ours_speedup"] is None) == (r["impl"] == "sdpa_default")
+    assert "calls fwd+bwd (B, H, S, D) = (1, 2, 24, 32)" in attention.summarize(result)
+    rendered = report.render(result["name"], result)
+    assert "| B, H, S, D | ours packed µs/call | ours on views µs/call | SDPA µs/call |" in rendered
+    assert "| 1, 2, 24, 32 |" in rendered
+

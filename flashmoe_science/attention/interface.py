@@ -270,15 +270,17 @@ class _BackwardPlan:
                  "device_index", "preprocess_grid", "dkdv_grid", "dq_grid", "preprocess_options", "dkdv_options",
                  "dq_options", "dq_mode", "tma", "gluon", "window", "dkdv_maxnreg", "grad_strides", "row_strides")
 
-    def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None):
+    def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None,
+                 grad_strides=None):
         grad_output, q, k, v, out, _ = tensors
         heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[-1]
         self.copy_last_dim = any(t.stride(-1) != 1 for t in (grad_output, q, k, v, out))
         # The layouts the kernels see (a tensor whose last dimension is not contiguous is copied
-        # first), those of the gradients (`_output_like`), and the (batch, head, row) strides of
-        # grad_output, q, k, v, out, dq, dk, dv: fixed by the plan's key, so not derived per call.
+        # first), those of the gradients (`_output_like`, unless the caller gives the gradients'
+        # buffers, as `packed.py` does), and the (batch, head, row) strides of grad_output, q, k,
+        # v, out, dq, dk, dv: fixed by the plan's key, so not derived per call.
         strides = [t.stride() if t.stride(-1) == 1 else _dense_strides(t.shape) for t in (grad_output, q, k, v, out)]
-        self.grad_strides = tuple(_dense_strides(t.shape, st) for t, st in zip((q, k, v), strides[1:4]))
+        self.grad_strides = grad_strides or tuple(_dense_strides(t.shape, st) for t, st in zip((q, k, v), strides[1:4]))
         self.row_strides = tuple(_row_strides(st, packed) for st in strides + list(self.grad_strides))
         self.empty = q.numel() == 0 or k.numel() == 0
         self.default_scale = 1.0 / math.sqrt(head_dim)
@@ -366,8 +368,9 @@ def _check_deterministic(deterministic) -> None:
 
 
 def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                 softmax_scale, grad_lse, sequence_order=None):
-    """Launches the backward kernels for a plan: returns (dq, dk, dv) with the layouts of q, k, v.
+                 softmax_scale, grad_lse, sequence_order=None, grads=None):
+    """Launches the backward kernels for a plan: returns (dq, dk, dv) with the layouts of q, k, v,
+    or written into `grads`, three tensors shaped like q, k, v with the plan's `grad_strides`.
     Packed batches pass their cumulative lengths and `sequence_order` as for `run_forward`.
 
     `grad_lse`, the gradient of lse when a caller differentiated it too, enters through delta:
@@ -375,8 +378,8 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
     """
     if plan.copy_last_dim:
         grad_output, q, k, v, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_output, q, k, v, out))
-    dq, dk, dv = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
-                  for t, st in zip((q, k, v), plan.grad_strides))
+    dq, dk, dv = grads or (torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
+                           for t, st in zip((q, k, v), plan.grad_strides))
     if plan.empty:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
@@ -443,17 +446,22 @@ def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_se
 
 
 def attention_backward(grad_output, q, k, v, out, lse, causal: bool, softmax_scale: float | None,
-                       window_size=NO_WINDOW, softcap: float = 0.0, grad_lse=None, config=None):
-    """Runs the backward kernels on dense inputs: returns (dq, dk, dv) with the layouts of q, k, v.
+                       window_size=NO_WINDOW, softcap: float = 0.0, grad_lse=None, config=None, grads=None):
+    """Runs the backward kernels on dense inputs: returns (dq, dk, dv) with the layouts of q, k, v,
+    or written into `grads` (three tensors shaped like q, k, v, the dtype of q, with unit stride
+    in D and no two elements in one place: the caller's own buffers, which `packed.py` makes
+    views of one dQKV tensor).
 
     `grad_lse` is lse's own gradient (see `run_backward`). `config` forces a BackwardConfig (for
     tuning sweeps); such calls take Triton's ordinary, uncached launch path.
     """
     tensors = (grad_output, q, k, v, out, lse)
+    grad_strides = None if grads is None else tuple(t.stride() for t in grads)
     key = plan = None
     if config is None:
-        try:
-            key = _backward_key(tensors, causal, window_size, softcap)
+        try:  # with `grads`, their strides and alignment join the key: the kernels specialise on both
+            key = _backward_key(tensors, causal, window_size, softcap, grad_strides,
+                                grads and tuple(t.data_ptr() % 16 for t in grads))
             plan = _BACKWARD_PLANS.get(key)
         except (AttributeError, TypeError):  # not tensors, or an unhashable window_size: the checks say
             key = None
@@ -463,12 +471,12 @@ def attention_backward(grad_output, q, k, v, out, lse, causal: bool, softmax_sca
         _check_options(causal, softmax_scale)
         window_size = check_band(window_size, softcap)
         plan = _BackwardPlan(tensors, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, False,
-                             config)
+                             config, grad_strides)
         if key is not None:
             _remember(_BACKWARD_PLANS, key, plan)
     elif softmax_scale is not None:
         _check_options(causal, softmax_scale)
-    return run_backward(plan, key, grad_output, q, k, v, out, lse, None, None, softmax_scale, grad_lse)
+    return run_backward(plan, key, grad_output, q, k, v, out, lse, None, None, softmax_scale, grad_lse, None, grads)
 
 
 def save_for_backward(ctx, tensors, options) -> None:

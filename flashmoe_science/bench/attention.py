@@ -19,7 +19,10 @@ Sections (rows carry a "section" column):
   FlexAttention with a document mask. TFLOP/s count the real (unpadded) pairs only.
 - window (only when listed in --sections): causal sliding windows of 256, 1024 and 4096 at
   S = 16384: ours against our own full causal attention and FlexAttention's sliding-window mask.
-Sections varlen and window time the --mode given; run alone, they write
+- calls (only when listed in --sections): wall-clock per call of back-to-back attention calls from
+  a QKV projection's output, forward and backward through autograd, at short and middle lengths
+  (host time against GPU time), on each side of the train section.
+Sections varlen, window and calls time the --mode given; run alone, they write
 attention_<sections>_<mode> (such as attention_varlen_window_fwd_bwd). Without a GPU they run
 through the interpreter at a tiny size, without FlexAttention.
 """
@@ -32,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import attention_reference, flash_attention_science, flash_attention_varlen
+from ..attention import attention_reference, flash_attention_qkvpacked, flash_attention_science, flash_attention_varlen
 from ..attention.configs import HOPPER_FORWARD, forward_config
 from ..device import info_for, interpreter_active
 from .common import (Timing, attention_flops, attention_pairs, max_abs_error, measure_matmul_ceiling,
@@ -48,7 +51,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode", choices=["fwd", "bwd", "fwd+bwd"], default="fwd",
                         help="time the forward, the backward alone, or both (default: fwd)")
     parser.add_argument("--sections", default=None,
-                        help="comma list of overhead,small,throughput,memory,train,varlen,window (default: "
+                        help="comma list of overhead,small,throughput,memory,train,varlen,window,calls (default: "
                              "overhead,small,throughput for fwd, throughput,memory,train otherwise)")
     parser.add_argument("--head-dims", default="64,128,256", help="throughput head dims")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="throughput sequence lengths")
@@ -294,8 +297,9 @@ def _memory(args, device):
     return rows
 
 
-class _Block(torch.nn.Module):
-    """A pre-norm transformer block whose attention function is pluggable."""
+class Block(torch.nn.Module):
+    """A pre-norm transformer block whose attention is pluggable: a function from the QKV
+    projection's output (B, S, 3, H, D) to the attention's (B, S, H, D)."""
 
     def __init__(self, dim, heads, attention):
         super().__init__()
@@ -306,10 +310,17 @@ class _Block(torch.nn.Module):
 
     def forward(self, x):
         b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        a = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        a = self.attention(self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads))
+        x = x + self.proj(a.reshape(b, s, d))
         return x + self.mlp(self.norm2(x))
+
+
+def _on_views(attention):
+    """The attention on (B, H, S, D) views of the projection, as a block written for SDPA takes
+    them: autograd stacks their three gradients back into the projection's."""
+    def call(qkv):
+        return attention(*(t.transpose(1, 2) for t in qkv.unbind(2)), is_causal=True).transpose(1, 2)
+    return call
 
 
 # Rounds of the train section at least: attention is about a fifth of the block's step, so the
@@ -319,19 +330,26 @@ class _Block(torch.nn.Module):
 TRAIN_ROUNDS = 40
 
 
+def train_attentions() -> dict:
+    """The train section's sides, causal: ours as `FlashMoEScienceAttention` calls it (the
+    projection's output, gradients written into one dQKV), ours on views as SDPA takes them,
+    SDPA's default dispatch."""
+    return {"ours_packed": lambda qkv: flash_attention_qkvpacked(qkv, causal=True),
+            "ours": _on_views(lambda q, k, v, is_causal: flash_attention_science(q, k, v, causal=is_causal)),
+            "sdpa_default": _on_views(torch.nn.functional.scaled_dot_product_attention)}
+
+
 def _train(args, device):
     """Forward+backward of a transformer block (dim 1024, 16 heads, S 2048, batch 8, bf16). The
-    two sides alternate, one timing each per round (`args.repeats` rounds, at least
-    TRAIN_ROUNDS), so that a drift in clocks over the run falls on both alike; the speed-up is
-    the median of the rounds' ratios (`paired_speedup_interval`). Its interval with each side
-    resampled on its own (`speedup_interval`, as the other sections) is kept beside it."""
+    sides alternate, one timing each per round (`args.repeats` rounds, at least TRAIN_ROUNDS),
+    so that a drift in clocks over the run falls on all alike; a speed-up is the median of the
+    rounds' ratios (`paired_speedup_interval`). Its interval with each side resampled on its own
+    (`speedup_interval`, as the other sections) is kept beside it."""
     batch, seqlen, dim, heads = 8, 2048, 1024, 16
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    attentions = {"ours": lambda q, k, v: flash_attention_science(q, k, v, causal=True),
-                  "sdpa_default": lambda q, k, v: sdpa(q, k, v, is_causal=True)}
+    attentions = train_attentions()
     torch.manual_seed(0)
     x = torch.randn(batch, seqlen, dim, device=device, dtype=torch.bfloat16)
-    block = _Block(dim, heads, None).to(device, torch.bfloat16)
+    block = Block(dim, heads, None).to(device, torch.bfloat16)
     samples, losses = {name: [] for name in attentions}, {}
 
     def step():
@@ -347,13 +365,18 @@ def _train(args, device):
                 losses[name] = step().item()
             samples[name] += time_gpu(step, warmup_ms=args.warmup, rep_ms=args.rep, repeats=1).samples
     timings = {name: Timing.from_samples(s) for name, s in samples.items()}
-    ratio, lo, hi = paired_speedup_interval(samples["ours"], samples["sdpa_default"])
-    _, unpaired_lo, unpaired_hi = speedup_interval(timings["ours"], timings["sdpa_default"])
-    theirs = dict(ours_speedup=ratio, ours_speedup_ci=[lo, hi], ours_speedup_ci_unpaired=[unpaired_lo, unpaired_hi])
-    return [dict(section="train", mode="fwd+bwd", impl=name, batch=batch, seqlen=seqlen, dim=dim, heads=heads,
-                 causal=True, dtype="bfloat16", ms=t.median_ms, ms_ci=[t.lo_ms, t.hi_ms], loss=losses[name],
-                 rounds=len(samples[name]), **(theirs if name == "sdpa_default" else dict(ours_speedup=None)))
-            for name, t in timings.items()]
+    rows = []
+    for name, t in timings.items():
+        row = dict(section="train", mode="fwd+bwd", impl=name, batch=batch, seqlen=seqlen, dim=dim, heads=heads,
+                   causal=True, dtype="bfloat16", ms=t.median_ms, ms_ci=[t.lo_ms, t.hi_ms], loss=losses[name],
+                   rounds=len(samples[name]), ours_speedup=None)
+        if name != "sdpa_default":  # this side's speed-up over SDPA's default
+            ratio, lo, hi = paired_speedup_interval(samples[name], samples["sdpa_default"])
+            _, unpaired_lo, unpaired_hi = speedup_interval(t, timings["sdpa_default"])
+            row.update(ours_speedup=ratio, ours_speedup_ci=[lo, hi],
+                       ours_speedup_ci_unpaired=[unpaired_lo, unpaired_hi])
+        rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -589,7 +612,48 @@ def _window(args, device, work: Workload):
     return rows
 
 
-WORKLOAD_SECTIONS = {"varlen": _varlen, "window": _window}
+# The calls section's (B, H, S, D), causal: from where host time decides a training call's speed
+# to where the GPU does.
+CALL_SHAPES = ((1, 8, 256, 64), (8, 16, 256, 64), (8, 16, 1024, 64), (8, 16, 2048, 64), (4, 16, 2048, 128))
+# Rounds per shape at least, each timing every side once: host time drifts over a run.
+CALL_ROUNDS = 15
+
+
+def _calls(args, device, work: Workload):
+    """Wall-clock per attention call, back to back, from a QKV projection's output (B, S, 3, H,
+    D) in work.dtype: forward and backward through autograd to the projection's gradient (the
+    forward alone in fwd mode), on each side of `train_attentions`, which alternate in rounds
+    with paired ratios as in the train section. At short sequences the host's time decides what
+    a user feels, which the throughput tables (GPU time only) cannot show."""
+    interp = device.type == "cpu"
+    shapes = ((1, 2, 24, work.head_dim),) if interp else CALL_SHAPES
+    backward = args.mode != "fwd"
+    rows = []
+    for batch, heads, seqlen, head_dim in args.progress(shapes, desc="attention calls"):
+        qkv = torch.randn(batch, seqlen, 3, heads, head_dim, dtype=work.dtype, device=device,
+                          requires_grad=backward)
+        grad = torch.randn(batch, seqlen, heads, head_dim, dtype=work.dtype, device=device)
+        calls = {name: (lambda attention=attention: torch.autograd.grad(attention(qkv), qkv, grad) if backward
+                        else attention(qkv)) for name, attention in train_attentions().items()}
+        samples = {name: [] for name in calls}
+        for _ in range(2 if interp else max(args.repeats, CALL_ROUNDS)):  # the sides alternate, as in train
+            for name, call in calls.items():
+                samples[name] += time_wall(call, calls=3 if interp else 100, repeats=1).samples
+        timings = {name: Timing.from_samples(s) for name, s in samples.items()}
+        for name, wall in timings.items():
+            row = dict(section="calls", mode="fwd+bwd" if backward else "fwd", impl=name, batch=batch, heads=heads,
+                       seqlen=seqlen, head_dim=head_dim, causal=True, dtype=str(work.dtype).replace("torch.", ""),
+                       wall_us=wall.median_ms * 1e3, wall_us_ci=[wall.lo_ms * 1e3, wall.hi_ms * 1e3],
+                       ours_speedup=None)
+            if name != "sdpa_default":
+                speed, lo, hi = paired_speedup_interval(samples[name], samples["sdpa_default"])
+                row.update(ours_speedup=speed, ours_speedup_ci=[lo, hi])
+            rows.append(row)
+        args.checkpoint(rows)
+    return rows
+
+
+WORKLOAD_SECTIONS = {"varlen": _varlen, "window": _window, "calls": _calls}
 
 
 def forward_candidates(element_size, block_d):
@@ -823,7 +887,10 @@ def summarize(result: dict) -> str:
             lines.append(f"host per call: {r['what']}: {r['wall_us']:.1f} us")
         if r.get("section") in ("memory", "train"):
             lines.append(f"{r['section']} {r['impl']}: " + (f"{r['peak_extra_mib']:.0f} MiB" if "peak_extra_mib" in r
-                                                            else f"{r['ms']:.2f} ms"))
+                                                            else f"{r['ms']:.3f} ms"))
+            if r.get("ours_speedup") is not None and r["impl"] != "sdpa_default":
+                lo, hi = r["ours_speedup_ci"]
+                lines[-1] += f", {r['ours_speedup']:.3f}x [{lo:.3f}, {hi:.3f}] SDPA default's speed"
     lines += _summarize_workloads(rows)
     return "\n".join(lines)
 
@@ -845,7 +912,7 @@ def _timing_text(r) -> str:
 
 
 def _summarize_workloads(rows) -> list[str]:
-    """Lines for the varlen and window sections: one per problem, every implementation on it."""
+    """Lines for the varlen, window and calls sections: one per problem, every implementation on it."""
     lines, groups = [], {}
     for r in rows:
         if r.get("section") == "varlen":
@@ -854,6 +921,13 @@ def _summarize_workloads(rows) -> list[str]:
         elif r.get("section") == "window":
             window = "full" if r["window"] is None else r["window"]
             key = f"window {r['mode']} S={r.get('seqlen')} window={window}"
+        elif r.get("section") == "calls":
+            key = f"calls {r['mode']} (B, H, S, D) = {(r['batch'], r['heads'], r['seqlen'], r['head_dim'])}"
+            text = f"{r['impl']} {r['wall_us']:.0f} us/call"
+            if r.get("ours_speedup") is not None:
+                text += f" ({r['ours_speedup']:.2f}x SDPA's speed)"
+            groups.setdefault(key, []).append(text)
+            continue
         else:
             continue
         groups.setdefault(key, []).append(_timing_text(r))

@@ -16,6 +16,9 @@ _IMPL_NAMES = {"sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN", "sdpa_effic
                "flex": "Flex (compiled)", "ours": "ours", "sdpa_default": "SDPA default", "sdpa_math": "SDPA math",
                "sdpa_padded": "SDPA padded + mask", "flex_document": "Flex document mask",
                "naive": "per-expert loop", "grouped_mm": "grouped-mm"}
+# The train section's sides: how each calls attention from the block's QKV projection.
+_TRAIN_NAMES = {"ours_packed": "ours, `flash_attention_qkvpacked` on the projection",
+                "ours": "ours, `flash_attention_science` on q, k, v views", "sdpa_default": "SDPA default"}
 
 
 def _source_line(name: str, meta: dict) -> str:
@@ -83,11 +86,13 @@ def _attention_extra(rows) -> str:
         elif r["section"] == "train":
             speed = ""
             if r.get("ours_speedup"):  # a ratio near 1: three decimals, and how it was taken
-                speed = f", ours {_ratio_ci(r, digits=3)}x faster"
+                ratio = _ratio_ci(r, digits=3)
+                # Files before the packed side carried ours' speed-up on SDPA's row.
+                speed = f", ours {ratio}x faster" if r["impl"] == "sdpa_default" else f", {ratio}x SDPA default's speed"
                 if r.get("rounds"):
                     speed += f" (median of {r['rounds']} interleaved rounds' ratios)"
             out.append(f"- transformer block forward+backward (B={r['batch']}, S={r['seqlen']}, dim={r['dim']}, "
-                       f"{r['heads']} heads, causal, bf16): {_IMPL_NAMES.get(r['impl'], r['impl'])} "
+                       f"{r['heads']} heads, causal, bf16): {_TRAIN_NAMES.get(r['impl'], r['impl'])} "
                        f"{r['ms']:.3f} ms{speed}")
     return "\n".join(out) + ("\n" if out else "")
 
@@ -125,7 +130,33 @@ def render_attention(name: str, result: dict) -> str:
         parts.append(f"\nCausal sliding window ({meta.get('mode')}), S = {first['seqlen']}, Hq = {first['heads']}, "
                      f"D = {first['head_dim']}, {first['dtype']}; TFLOP/s count the pairs inside the window:\n\n"
                      + _attention_workload(window, ("window",)))
+    calls = [r for r in rows if r.get("section") == "calls"]
+    if calls:
+        what = "forward" if calls[0]["mode"] == "fwd" else "forward and backward through autograd"
+        parts.append(f"\nAttention calls ({calls[0]['mode']}, causal, {calls[0]['dtype']}) from a QKV projection's "
+                     f"output (B, S, 3, H, D), {what}, back to back: wall-clock per call (host and GPU, what a "
+                     "user feels) and SDPA's over ours with 95% intervals:\n\n"
+                     + _attention_calls(calls))
     return "".join(parts)
+
+
+def _attention_calls(rows) -> str:
+    """One line per shape of the calls section: each side's wall-clock per call."""
+    grid: dict = {}
+    for r in rows:
+        grid.setdefault((r["batch"], r["heads"], r["seqlen"], r["head_dim"]), {})[r["impl"]] = r
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    ours = [i for i in impls if i != "sdpa_default"]
+    names = {"ours_packed": "ours packed", "ours": "ours on views", "sdpa_default": "SDPA"}
+    head = (["B, H, S, D"] + [f"{names.get(i, i)} µs/call" for i in impls]
+            + [f"{names.get(i, i)} / SDPA" for i in ours])
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape, by in grid.items():
+        cells = [", ".join(map(str, shape))]
+        cells += [f"{by[i]['wall_us']:.0f}" if i in by else "" for i in impls]
+        cells += [_ratio_ci(by[i]) if i in by else "" for i in ours]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def _attention_workload(rows, keys) -> str:

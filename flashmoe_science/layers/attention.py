@@ -1,10 +1,10 @@
-"""`FlashMoEScienceAttention`: multi-head (grouped-query) self-attention on `flash_attention_science`."""
+"""`FlashMoEScienceAttention`: multi-head (grouped-query) self-attention on `flash_attention_qkvpacked`."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..attention import flash_attention_science
+from ..attention import flash_attention_qkvpacked
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -15,7 +15,7 @@ def _check_positive_int(name: str, value) -> None:
 
 
 class FlashMoEScienceAttention(nn.Module):
-    """Self-attention: fused QKV projection, `flash_attention_science`, output projection.
+    """Self-attention: fused QKV projection, `flash_attention_qkvpacked`, output projection.
 
     Args:
         dim: model width; a multiple of n_heads, with head_dim = dim / n_heads from 16 to 256.
@@ -34,7 +34,8 @@ class FlashMoEScienceAttention(nn.Module):
 
     forward(x: (B, S, dim)) -> (B, S, dim). q, k and v reach the kernel as (B, H, S, head_dim)
     views of the projection's output (no copies); the attention output comes back in the
-    (B, S, H, head_dim) memory order, so the output projection reads it without a copy either.
+    (B, S, H, head_dim) memory order, so the output projection reads it without a copy either,
+    and the backward writes dq, dk and dv into one gradient of the projection's output.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, causal: bool = False,
@@ -67,11 +68,8 @@ class FlashMoEScienceAttention(nn.Module):
         batch, seqlen, _ = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, seqlen, heads + 2 * kv_heads, self.head_dim)
-        q = qkv[:, :, :heads].transpose(1, 2)
-        k = qkv[:, :, heads:heads + kv_heads].transpose(1, 2)
-        v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
-        attended = flash_attention_science(q, k, v, causal=self.causal)
-        return self.out(attended.transpose(1, 2).reshape(batch, seqlen, heads * self.head_dim))
+        attended = flash_attention_qkvpacked(qkv, causal=self.causal, num_kv_heads=kv_heads)
+        return self.out(attended.reshape(batch, seqlen, heads * self.head_dim))
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
