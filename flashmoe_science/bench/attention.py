@@ -21,7 +21,7 @@ Sections (rows carry a "section" column):
   S = 16384: ours against our own full causal attention and FlexAttention's sliding-window mask.
 - calls (only when listed in --sections): wall-clock per call of back-to-back attention calls from
   a QKV projection's output, forward and backward through autograd, at short and middle lengths
-  (host time against GPU time), on each side of the train section.
+  (from host-bound calls to GPU-bound ones), on each side of the train section.
 Sections varlen, window and calls time the --mode given; run alone, they write
 attention_<sections>_<mode> (such as attention_varlen_window_fwd_bwd). Without a GPU they run
 through the interpreter at a tiny size, without FlexAttention.
@@ -319,7 +319,7 @@ def _on_views(attention):
     """The attention on (B, H, S, D) views of the projection, as a block written for SDPA takes
     them: autograd stacks their three gradients back into the projection's."""
     def call(qkv):
-        return attention(*(t.transpose(1, 2) for t in qkv.unbind(2)), is_causal=True).transpose(1, 2)
+        return attention(*(t.transpose(1, 2) for t in qkv.unbind(2))).transpose(1, 2)
     return call
 
 
@@ -335,8 +335,9 @@ def train_attentions() -> dict:
     projection's output, gradients written into one dQKV), ours on views as SDPA takes them,
     SDPA's default dispatch."""
     return {"ours_packed": lambda qkv: flash_attention_qkvpacked(qkv, causal=True),
-            "ours": _on_views(lambda q, k, v, is_causal: flash_attention_science(q, k, v, causal=is_causal)),
-            "sdpa_default": _on_views(torch.nn.functional.scaled_dot_product_attention)}
+            "ours": _on_views(lambda q, k, v: flash_attention_science(q, k, v, causal=True)),
+            "sdpa_default": _on_views(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True))}
 
 
 def _train(args, device):
