@@ -3,7 +3,7 @@
 # written under $OUT and packed into one archive (the device tool returns at most 8 files).
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
-#   stages: env tests sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
+#   stages: env tests sanitize sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window attention-calls moe moe-fwd+bwd moe-train moe-sweep
 #           moe-bwd-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
@@ -46,6 +46,12 @@ for stage in "${stages[@]}"; do
       bench attention --sweep-hopper --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" --no-plot
       python3 -m flashmoe_science.bench.backward_sweep --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" \
         --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
+    sanitize)  # compute-sanitizer's four tools over every kernel path at small shapes (benchmarks/sanitize.py)
+      for tool in memcheck racecheck synccheck initcheck; do
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --print-limit 20 \
+          python3 benchmarks/sanitize.py > "$RESULTS/sanitize_$tool.txt" 2>&1
+        echo "$tool exit $?: $(tail -n 1 "$RESULTS/sanitize_$tool.txt")" | tee -a "$RESULTS/sanitize.txt"
+      done ;;
     attention-small) bench attention --mode fwd --sections overhead,small --no-plot ;;
     attention-fwd) bench attention --mode fwd ;;
     attention-bwd) bench attention --mode bwd ;;

@@ -96,3 +96,16 @@ def check_runnable(name: str, tensor: torch.Tensor) -> None:
             "through Triton's interpreter (set TRITON_INTERPRET=1 before importing triton)"
         )
     raise ValueError(f"{name} is on device {tensor.device}; only CUDA devices are supported")
+
+
+# Triton's input precision for fp32 matrix products, by torch.get_float32_matmul_precision():
+# "highest" (PyTorch's default) runs each product as three TF32 products (3xTF32, errors near
+# fp32's, as PyTorch's own fp32 matmuls and attention have); "high" and "medium" let PyTorch use
+# TF32, and so do we (one TF32 product: about 3x faster, 10 mantissa bits per operand).
+FP32_DOT_PRECISION = {"highest": "tf32x3", "high": "tf32", "medium": "tf32"}
+
+
+def fp32_dot_precision() -> str:
+    """The input precision our kernels' fp32 products use now (`FP32_DOT_PRECISION`)."""
+    return FP32_DOT_PRECISION.get(torch.get_float32_matmul_precision(), "tf32x3")
+

@@ -22,7 +22,7 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-from .device import interpreter_active
+from .device import fp32_dot_precision, interpreter_active
 
 _MAX_ENTRIES = 4096
 # Whether kernels were defined for the interpreter: Triton decides when a kernel is defined, so
@@ -98,9 +98,13 @@ class KernelLauncher:
     With `key=None` the call always takes Triton's ordinary path.
     """
 
-    def __init__(self, op: str, fn):
+    def __init__(self, op: str, fn, *, fp32_dots: bool = False):
+        """`fp32_dots`: the kernel's last parameter is DOT_PRECISION, the input precision of its
+        fp32 products, which follows torch's float32 matmul precision (`device.fp32_dot_precision`):
+        read at every launch, appended to the arguments and to the cache key."""
         self.op = op
         self.fn = fn
+        self.fp32_dots = fp32_dots
         self._compiled: dict = {}
         params = inspect.signature(getattr(fn, "fn", fn)).parameters.values()
         self._constexpr_idx = [i for i, p in enumerate(params) if "constexpr" in str(p.annotation)]
@@ -108,6 +112,8 @@ class KernelLauncher:
     def launch(self, key, grid, args, *, num_warps: int, num_stages: int, device_index: int | None = None,
                **options):
         if _INTERPRETED:
+            if self.fp32_dots:
+                args = (*args, fp32_dot_precision())
             self.fn[grid](*args)
             _RECORDS[self.op] = LaunchRecord(getattr(self.fn, "__name__", self.op), tuple(grid),
                                              self._constexprs_of(args), None, None, None, True)
@@ -118,6 +124,11 @@ class KernelLauncher:
                 return self.launch(key, grid, args, num_warps=num_warps, num_stages=num_stages,
                                    device_index=device_index, **options)
         _bind_context(device)
+        if self.fp32_dots:
+            precision = fp32_dot_precision()
+            args = (*args, precision)
+            if key is not None:
+                key = (key, precision)
         entry = self._compiled.get(key) if key is not None else None
         if entry is None:
             compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)

@@ -11,6 +11,9 @@ TRITON_INTERPRET, because the interpreter replaces kernels with Python functions
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import multiprocessing
 import os
@@ -45,6 +48,11 @@ def compile_build(build: KernelBuild, capability: int):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = build.fn.arg_names
+    if "DOT_PRECISION" in names and "DOT_PRECISION" not in build.constexprs:
+        # fp32 products as shipped by default (`device.fp32_dot_precision`: 3xTF32); 16-bit
+        # builds are unchanged by it.
+        build = dataclasses.replace(build, constexprs={**build.constexprs, "DOT_PRECISION": "tf32x3"},
+                                    signature={**build.signature, "DOT_PRECISION": "constexpr"})
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in build.aligned}
     source = GluonASTSource if build.fn.is_gluon() else ASTSource
     src = source(build.fn, build.signature, build.constexprs, attrs=attrs)
@@ -52,6 +60,13 @@ def compile_build(build: KernelBuild, capability: int):
     if build.maxnreg is not None:
         options["maxnreg"] = build.maxnreg
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def _registers_and_spills(ptxas_log: str) -> tuple[int | None, int | None]:
+    """(registers a thread, bytes of spill stores) from ptxas's verbose log."""
+    registers = re.search(r"Used (\d+) registers", ptxas_log)
+    spills = re.search(r"(\d+) bytes spill stores", ptxas_log)
+    return (int(registers.group(1)) if registers else None), (int(spills.group(1)) if spills else None)
 
 
 def shipped_builds(capability: int) -> list[KernelBuild]:
@@ -72,16 +87,25 @@ def _compile_row(capability: int, index: int) -> dict:
     limit = SHARED_MEMORY_PER_BLOCK[capability]
     row = {"target": f"sm{capability}", "label": build.label, "num_warps": build.num_warps,
            "num_stages": build.num_stages, "launch_maxnreg": build.maxnreg, "limit": limit}
+    from triton import knobs
+
+    log = io.StringIO()
     try:
-        kernel = compile_build(build, capability)
+        # Triton runs ptxas verbosely and prints its log (registers, spills) when asked.
+        with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True
+            knobs.compilation.always_compile = True  # a cached build runs no ptxas, so reports nothing
+            kernel = compile_build(build, capability)
     except Exception as exc:  # reported, and the test fails on it
         row.update(shared=None, fits=False, error=f"{type(exc).__name__}: {exc}"[:500])
     else:
         ptx = kernel.asm.get("ptx", "")
         bound = re.search(r"^\s*\.maxnreg (\d+)", ptx, re.M)  # the launch's, or Triton's own
+        registers, spills = _registers_and_spills(log.getvalue())
         row.update(shared=kernel.metadata.shared, fits=kernel.metadata.shared <= limit,
                    wgmma="wgmma" in ptx, tma="cp.async.bulk.tensor" in ptx,
-                   maxnreg=int(bound.group(1)) if bound else None, error=None)
+                   maxnreg=int(bound.group(1)) if bound else None, registers=registers, spill_stores=spills,
+                   error=None)
     return row
 
 

@@ -176,7 +176,10 @@ def test_offsets_beyond_2_31_elements(device):
     (lambda x, w1, w2, lg: fused_moe(x[0], w1, w2, lg, 2), "hidden_states must be 2-D"),
     (lambda x, w1, w2, lg: fused_moe(x.tolist(), w1, w2, lg, 2), "hidden_states must be a torch.Tensor"),
     (lambda x, w1, w2, lg: fused_moe(x, w1[0], w2, lg, 2), "w1 must be 3-D"),
-    (lambda x, w1, w2, lg: fused_moe(x, w1, w2[:, :, :8], lg, 2), r"w2 has shape .* expected \(E, H, I\)"),
+    (lambda x, w1, w2, lg: fused_moe(x, w1, w2[:, :, :8], lg, 2), r"w1 has shape .* and w2 .* or w2 must be"),
+    # w1 holding the gate rows alone, (E, I, H): the error names w1 and the 2 * I it needs.
+    (lambda x, w1, w2, lg: fused_moe(x, w1[:, :w1.shape[1] // 2], w2, lg, 2),
+     r"w1 has shape .* so its middle dimension must be"),
     (lambda x, w1, w2, lg: fused_moe(x, w1[:3], w2[:3], lg, 2), r"router_logits has shape .* expected \(T, E\)"),
     (lambda x, w1, w2, lg: fused_moe(x, w1, w2[:3], lg, 2), "w2 has shape"),
     (lambda x, w1, w2, lg: fused_moe(x[:, :24], w1[:, :, :24], w2[:, :24], lg, 2), "H = 24"),

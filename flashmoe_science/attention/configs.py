@@ -55,6 +55,14 @@ def head_dim_block(head_dim: int) -> int:
 
 
 C = AttentionConfig
+# fp32 products run 3xTF32 by default (`device.fp32_dot_precision`), which holds each operand
+# twice: one table for every family, its tiles the largest a compile-only search found within
+# tests/test_configs_fit.py's spill limit (`BACKWARD`'s comment says more).
+_FP32_FORWARD = {16: (C(128, 32, 8, 2), C(128, 32, 8, 2)),
+                 32: (C(128, 32, 8, 2), C(128, 32, 8, 2)),
+                 64: (C(128, 32, 8, 2), C(128, 32, 8, 2)),
+                 128: (C(32, 16, 4, 2), C(32, 16, 4, 2)),
+                 256: (C(16, 16, 4, 1), C(16, 16, 4, 1))}
 # FORWARD[family][element bytes][padded head dim] -> (config for long queries, config when the
 # call has too few query blocks to fill the GPU with BLOCK_M = 128).
 FORWARD = {
@@ -67,36 +75,21 @@ FORWARD = {
             64: (C(64, 64, 4, 3), C(64, 64, 4, 3)),
             128: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
             256: (C(128, 64, 8, 2), C(64, 32, 4, 2))},
-        4: {16: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
-            32: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
-            64: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
-            128: (C(128, 64, 8, 2), C(64, 32, 4, 3)),
-            256: (C(64, 32, 4, 2), C(64, 32, 4, 2))},
-    },
+        4: _FP32_FORWARD},
     80: {
         2: {16: (C(128, 64, 4, 3), C(64, 64, 4, 3)),
             32: (C(128, 64, 4, 3), C(64, 64, 4, 3)),
             64: (C(128, 64, 4, 3), C(64, 64, 4, 3)),
             128: (C(128, 64, 8, 3), C(64, 64, 4, 3)),
-            256: (C(64, 64, 4, 2), C(64, 32, 4, 2))},
-        4: {16: (C(128, 32, 4, 3), C(64, 32, 4, 3)),
-            32: (C(128, 32, 4, 3), C(64, 32, 4, 3)),
-            64: (C(128, 32, 4, 3), C(64, 32, 4, 3)),
-            128: (C(64, 32, 4, 3), C(64, 32, 4, 2)),
-            256: (C(64, 32, 4, 2), C(32, 32, 4, 2))},
-    },
+            256: (C(64, 64, 8, 2), C(64, 32, 8, 2))},
+        4: _FP32_FORWARD},
     89: {
         2: {16: (C(128, 64, 4, 3), C(64, 64, 4, 3)),
             32: (C(128, 64, 4, 3), C(64, 64, 4, 3)),
             64: (C(128, 64, 4, 3), C(64, 64, 4, 3)),
-            128: (C(128, 32, 4, 3), C(64, 32, 4, 3)),
-            256: (C(64, 32, 4, 2), C(32, 32, 4, 2))},
-        4: {16: (C(64, 32, 4, 3), C(64, 32, 4, 3)),
-            32: (C(64, 32, 4, 3), C(64, 32, 4, 3)),
-            64: (C(64, 32, 4, 3), C(64, 32, 4, 3)),
-            128: (C(64, 32, 4, 2), C(32, 32, 4, 2)),
-            256: (C(32, 16, 4, 2), C(32, 16, 4, 2))},
-    },
+            128: (C(128, 32, 8, 3), C(64, 32, 4, 3)),
+            256: (C(64, 32, 8, 2), C(32, 32, 4, 2))},
+        4: _FP32_FORWARD},
 }
 del C
 
@@ -392,8 +385,13 @@ C = AttentionConfig
 # On Hopper, 8 warps (two warpgroups for wgmma) with 128 resident keys at D = 128, four-warp
 # 64 x 64 tiles at D = 64, 64 resident keys at D = 256. Checked with `ptxas -v` and the SASS:
 # the 16-bit entries spill no register inside a loop on any family, except the dK/dV kernel at
-# D = 256 on Hopper (424 bytes: measured faster than the 32-row-step tile, which spills 92). fp32 runs tf32 products, whose wgmma operands sit in registers, so
-# its Hopper entries at D >= 128 spill: fp32 is there for correctness more than speed. Shared
+# D = 256 on Hopper (424 bytes: measured faster than the 32-row-step tile, which spills 92). fp32
+# runs 3xTF32 products by default (`device.fp32_dot_precision`), which hold each operand twice in
+# registers: its entries (forward and backward) are the largest tiles of a compile-only search
+# that keep every build's spills within tests/test_configs_fit.py's SPILL_LIMIT, except at D = 256,
+# where even 16 x 16 tiles spill 0.7-1.5 KB a thread; fp32 is there for correctness, not speed.
+# Its backward tiles run four warps: on an H100, Triton 3.6's 3xTF32 products on eight warps
+# over a 16-wide tile faulted (dK/dV 16 x 64) or returned wrong dq (dQ 64 x 16, softcap on). Shared
 # memory holds the resident pair (K, V or Q, dO) plus one streamed pair per stage, which is
 # what limits the 99 KB parts. The Hopper 16-bit entries move their tiles through tensor
 # descriptors (`tma`): a one-off A/B on an H100 with these tiles, pointer loads against TMA, same
@@ -401,6 +399,11 @@ C = AttentionConfig
 # 16384: 397 -> 419), D = 256 218 -> 227, a causal window of 1024 at 16384 289 -> 303; ptxas
 # reports fewer registers (the D = 128 dQ kernel 206 -> 172) and fewer spills (the D = 256 dK/dV
 # kernel 424 -> 256 bytes).
+_FP32_BACKWARD = {16: B(C(16, 32, 4, 2), C(32, 16, 4, 2)),
+                  32: B(C(16, 32, 4, 2), C(32, 16, 4, 2)),
+                  64: B(C(16, 32, 4, 2), C(32, 16, 4, 2)),
+                  128: B(C(16, 16, 4, 2), C(16, 16, 4, 2)),
+                  256: B(C(16, 16, 4, 1), C(16, 16, 4, 1))}
 BACKWARD = {
     90: {
         2: {16: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
@@ -418,36 +421,21 @@ BACKWARD = {
             64: B(C(64, 64, 4, 2, maxnreg=168), C(64, 64, 4, 3), tma=True),
             128: B(C(64, 128, 8, 3), C(128, 64, 8, 3), tma=True),
             256: B(C(64, 64, 8, 2), C(128, 32, 8, 2), tma=True)},
-        4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
-            32: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
-            64: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
-            128: B(C(16, 64, 8, 2), C(64, 32, 8, 2)),
-            256: B(C(16, 64, 8, 2), C(64, 16, 8, 2))},
-    },
+        4: _FP32_BACKWARD},
     80: {
         2: {16: B(C(32, 128, 4, 3), C(128, 32, 4, 3)),
             32: B(C(32, 128, 4, 3), C(128, 32, 4, 3)),
             64: B(C(64, 64, 4, 3), C(128, 32, 4, 3)),
             128: B(C(64, 64, 8, 3), C(128, 64, 8, 3)),
             256: B(C(32, 64, 8, 2), C(64, 32, 8, 3))},
-        4: {16: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
-            32: B(C(32, 64, 4, 2), C(64, 32, 4, 2)),
-            64: B(C(16, 64, 4, 2), C(64, 32, 4, 2)),
-            128: B(C(32, 64, 8, 2), C(64, 32, 8, 2)),
-            256: B(C(16, 32, 8, 2), C(32, 16, 4, 2))},
-    },
+        4: _FP32_BACKWARD},
     89: {
         2: {16: B(C(32, 64, 4, 3), C(64, 64, 4, 3)),
             32: B(C(32, 64, 4, 3), C(64, 64, 4, 3)),
             64: B(C(32, 64, 4, 3), C(64, 64, 4, 3)),
             128: B(C(32, 64, 4, 3), C(64, 32, 4, 3)),
             256: B(C(16, 32, 4, 2), C(32, 16, 4, 2))},
-        4: {16: B(C(16, 64, 4, 2), C(32, 32, 4, 2)),
-            32: B(C(16, 64, 4, 2), C(32, 32, 4, 2)),
-            64: B(C(16, 64, 4, 2), C(32, 32, 4, 2)),
-            128: B(C(16, 32, 4, 2), C(32, 16, 4, 2)),
-            256: B(C(16, 16, 4, 1), C(16, 16, 4, 1))},
-    },
+        4: _FP32_BACKWARD},
 }
 del B, C
 

@@ -142,8 +142,19 @@ def positive_scale(q, scale: float):
     negative scale runs as (-q).k * -scale, with -q in q's own strides (the caller's plan key and
     launch strides still describe it), and a zero one at MIN_SCALE (the same uniform weights)."""
     if scale < 0:
-        q, scale = torch.neg(q, out=q.new_empty_strided(q.shape, q.stride())), -scale
+        q, scale = _negated_in_place_layout(q), -scale
     return q, max(scale, MIN_SCALE)
+
+
+def _negated_in_place_layout(q: torch.Tensor) -> torch.Tensor:
+    """-q with q's shape and strides: the span of memory q's elements cover, negated into a new
+    buffer and viewed with q's strides. Works for every strided q, also expanded (stride 0) or
+    otherwise overlapping ones, which no tensor written element by element can share strides with."""
+    if q.numel() == 0:
+        return q
+    span = 1 + sum((n - 1) * st for n, st in zip(q.shape, q.stride()))
+    region = q.as_strided((span,), (1,), q.storage_offset())
+    return torch.neg(region).as_strided(q.shape, q.stride())
 
 
 def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, warp_specialize: bool = False,

@@ -33,10 +33,10 @@ NO_WINDOW = (-1, -1)
 # clamped to it so that the kernels' int32 band arithmetic (row + bound) cannot overflow.
 _WIDEST_WINDOW = 1 << 30
 
-_FORWARD = KernelLauncher("attention_forward", attention_forward_kernel)
+_FORWARD = KernelLauncher("attention_forward", attention_forward_kernel, fp32_dots=True)
 _BACKWARD_PREPROCESS = KernelLauncher("attention_backward_preprocess", attention_backward_preprocess_kernel)
-_BACKWARD_DKDV = KernelLauncher("attention_backward_dkdv", attention_backward_dkdv_kernel)
-_BACKWARD_DQ = KernelLauncher("attention_backward_dq", attention_backward_dq_kernel)
+_BACKWARD_DKDV = KernelLauncher("attention_backward_dkdv", attention_backward_dkdv_kernel, fp32_dots=True)
+_BACKWARD_DQ = KernelLauncher("attention_backward_dq", attention_backward_dq_kernel, fp32_dots=True)
 _MAX_PLANS = 4096
 
 
@@ -87,7 +87,8 @@ class _ForwardPlan:
         lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
         # The kernel arguments after the tensors' strides; the strides join them at the first
         # launch, once the output (whose layout follows q's) exists.
-        self.kernel_options = (*lse_strides, heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k, num_m_blocks,
+        totals = (q.shape[0], k.shape[0]) if packed else (0, 0)  # the token counts cu_seqlens are clamped to
+        self.kernel_options = (*lse_strides, heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k, *totals, num_m_blocks,
                                *_kernel_window(causal, window_size), head_dim, head_dim_block(head_dim),
                                cfg.block_m, cfg.block_n, causal, softcap > 0, packed, write_lse)
         self.launch_tail = None
@@ -149,13 +150,22 @@ def _check_inputs(q, k, v, packed: bool = False) -> None:
                          f"key/value heads ({heads_kv})")
 
 
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _is_symbolic(x) -> bool:
+    """A value torch.compile traces symbolically: its checks run again when the op runs."""
+    return isinstance(x, (torch.SymInt, torch.SymFloat))
+
+
 def _check_options(causal, softmax_scale) -> None:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, torch.SymFloat)):
             raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale):
+        if not _is_symbolic(softmax_scale) and not -math.inf < softmax_scale < math.inf:  # NaN fails too
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
 
@@ -165,14 +175,19 @@ def _is_int(x) -> bool:
 
 def check_band(window_size, softcap) -> tuple[int, int]:
     """Checks the sliding window and the softcap; returns window_size as a tuple of two ints."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(map(_is_int, window_size)):
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(_is_int(w) or isinstance(w, torch.SymInt) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    if min(window_size) < -1:
+    if not any(map(_is_symbolic, window_size)) and min(window_size) < -1:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded, got {tuple(window_size)}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, torch.SymFloat)):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
+    if _is_symbolic(softcap):
+        return tuple(window_size)
+    if not 0 <= softcap < math.inf:  # comparisons, not math.isfinite, which torch.compile cannot trace
         raise ValueError(f"softcap must be a finite number >= 0 (0 turns it off), got {softcap}")
+    if any(map(_is_symbolic, window_size)):
+        return tuple(window_size)
     return int(window_size[0]), int(window_size[1])
 
 
@@ -242,23 +257,23 @@ def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_
     `config` forces an AttentionConfig (for tuning sweeps); such calls take Triton's ordinary,
     uncached launch path, as do calls whose window_size is a list rather than a tuple.
     """
+    # The options' types and values are checked on every call (a cached plan's key compares
+    # causal=1 equal to True and window (1.0, 2) equal to (1, 2)); the tensors' facts are the key.
+    _check_options(causal, softmax_scale)
+    window_size = check_band(window_size, softcap)
     key = plan = None
     if config is None:
         try:
             key = _plan_key(q, k, v, causal, window_size, softcap, write_lse)
             plan = _PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or an unhashable window_size: the checks say
+        except AttributeError:  # not tensors: the checks say which
             key = None
     if plan is None:
         _check_inputs(q, k, v)
-        _check_options(causal, softmax_scale)
-        window_size = check_band(window_size, softcap)
         plan = _ForwardPlan(q, k, v, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, write_lse,
                             False, config)
         if key is not None:
             _remember(_PLANS, key, plan)
-    elif softmax_scale is not None:
-        _check_options(causal, softmax_scale)
     return run_forward(plan, key, q, k, v, None, None, softmax_scale, write_lse)
 
 
@@ -303,9 +318,10 @@ class _BackwardPlan:
         lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
         window = _kernel_window(causal, window_size)
         group = heads_q // heads_kv
-        self.dkdv_options = (*lse_strides, heads_kv, group, seqlen_q, seqlen_k, num_n_blocks, *window, head_dim,
-                             block_d, cfg.dkdv.block_m, cfg.dkdv.block_n, softcap > 0, packed)
-        self.dq_options = (*lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window, head_dim,
+        totals = (q.shape[0], k.shape[0]) if packed else (0, 0)  # the token counts cu_seqlens are clamped to
+        self.dkdv_options = (*lse_strides, heads_kv, group, seqlen_q, seqlen_k, *totals, num_n_blocks, *window,
+                             head_dim, block_d, cfg.dkdv.block_m, cfg.dkdv.block_n, softcap > 0, packed)
+        self.dq_options = (*lse_strides, heads_q, group, seqlen_q, seqlen_k, *totals, num_m_blocks, *window, head_dim,
                            block_d, cfg.dq.block_m, cfg.dq.block_n, softcap > 0, packed)
         path = cfg.dq_path
         if path == "tma" and not hopper.supports_reduce(q, head_dim):
@@ -362,9 +378,10 @@ def check_backward_tensors(grad_output, q, out, lse, lse_shape, lse_description)
         raise ValueError(f"softmax_lse must be on the device of q ({q.device}), got {lse.device}")
 
 
-def _check_deterministic(deterministic) -> None:
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+def check_flags(deterministic, return_lse) -> None:
+    """The public functions' keyword flags."""
+    check_bool("deterministic", deterministic)
+    check_bool("return_lse", return_lse)
 
 
 def run_backward(plan: _BackwardPlan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -457,25 +474,23 @@ def attention_backward(grad_output, q, k, v, out, lse, causal: bool, softmax_sca
     """
     tensors = (grad_output, q, k, v, out, lse)
     grad_strides = None if grads is None else tuple(t.stride() for t in grads)
+    _check_options(causal, softmax_scale)  # every call, as in `attention_forward`
+    window_size = check_band(window_size, softcap)
     key = plan = None
     if config is None:
         try:  # with `grads`, their strides and alignment join the key: the kernels specialise on both
             key = _backward_key(tensors, causal, window_size, softcap, grad_strides,
                                 grads and tuple(t.data_ptr() % 16 for t in grads))
             plan = _BACKWARD_PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or an unhashable window_size: the checks say
+        except AttributeError:  # not tensors: the checks say which
             key = None
     if plan is None:
         _check_inputs(q, k, v)
         check_backward_tensors(grad_output, q, out, lse, q.shape[:3], "(batch, heads_q, seqlen_q)")
-        _check_options(causal, softmax_scale)
-        window_size = check_band(window_size, softcap)
         plan = _BackwardPlan(tensors, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, False,
                              config, grad_strides)
         if key is not None:
             _remember(_BACKWARD_PLANS, key, plan)
-    elif softmax_scale is not None:
-        _check_options(causal, softmax_scale)
     return run_backward(plan, key, grad_output, q, k, v, out, lse, None, None, softmax_scale, grad_lse, None, grads)
 
 
@@ -546,9 +561,10 @@ def flash_attention_backward(grad_output, q, k, v, output, softmax_lse, causal=F
 
     dq has q's layout and dtype, dk and dv those of k and v: (B, Hkv, Sk, D), summed over the
     query heads of each group under GQA/MQA. Rows that saw no key get zero gradients. fp32
-    inputs use tf32 matrix products on the GPU. Memory beyond the outputs is O(B * Hq * Sq).
+    inputs' products follow torch's float32 matmul precision (see `flash_attention_science`).
+    Memory beyond the outputs is O(B * Hq * Sq).
     """
-    _check_deterministic(deterministic)
+    check_bool("deterministic", deterministic)
     return attention_backward(grad_output, q, k, v, output, softmax_lse, causal, softmax_scale, window_size, softcap)
 
 
@@ -557,7 +573,9 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
     """Fused scaled-dot-product attention, differentiable in q, k and v.
 
     Args:
-        q: (B, Hq, Sq, D) query, fp16, bf16 or fp32 (fp32 uses tf32 matrix products on the GPU).
+        q: (B, Hq, Sq, D) query, fp16, bf16 or fp32. fp32 products on the GPU follow
+            `torch.get_float32_matmul_precision()`: "highest" (PyTorch's default) runs 3xTF32,
+            with errors near fp32's; "high" or "medium" one TF32 product (about 3x faster).
         k, v: (B, Hkv, Sk, D) keys and values, the dtype of q. Hq must be a multiple of Hkv
             (grouped-query / multi-query attention); K and V are never repeated in memory.
         causal: mask scores above the diagonal. The diagonal is aligned bottom-right: query i sees
@@ -588,7 +606,7 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
     Returns:
         out (B, Hq, Sq, D), or (out, lse) when return_lse.
     """
-    _check_deterministic(deterministic)
+    check_flags(deterministic, return_lse)
     try:
         differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     except AttributeError:  # not tensors: the lean path's checks say which argument is wrong

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..device import check_runnable
-from .interface import (_DTYPES, NO_WINDOW, _check_deterministic, _dense_strides, _is_int, attention_backward,
+from .interface import (_DTYPES, NO_WINDOW, check_flags, _dense_strides, _is_int, attention_backward,
                         attention_forward, flash_attention_science, refuse_double_backward)
 
 
@@ -108,7 +108,7 @@ def flash_attention_qkvpacked(qkv, causal=False, softmax_scale=None, *, num_kv_h
         out (B, S, Hq, D), contiguous (reshape it to (B, S, Hq * D) for the output projection
         without a copy), or (out, lse) when return_lse.
     """
-    _check_deterministic(deterministic)
+    check_flags(deterministic, return_lse)
     qkv4, heads_q, heads_kv = _heads(qkv, num_kv_heads)
     if qkv4.stride(-1) != 1:
         qkv4 = qkv4.contiguous()

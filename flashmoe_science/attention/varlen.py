@@ -21,7 +21,9 @@ import weakref
 
 import torch
 
-from .interface import (NO_WINDOW, _BackwardPlan, _check_deterministic, _check_inputs, _check_options, _ForwardPlan,
+from ..launch import KernelLauncher
+from ._kernels.lengths import malformed_lengths_poison_kernel
+from .interface import (NO_WINDOW, _BackwardPlan, check_flags, _check_inputs, _check_options, _ForwardPlan,
                         _is_int, _remember, check_backward_tensors, check_band, gradients_from_context,
                         refuse_double_backward, run_backward, run_forward, save_for_backward)
 
@@ -29,10 +31,10 @@ from .interface import (NO_WINDOW, _BackwardPlan, _check_deterministic, _check_i
 _LENGTHS = (("cu_seqlens_q", "max_seqlen_q", "query"), ("cu_seqlens_k", "max_seqlen_k", "key"))
 
 
-def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """Shapes, dtypes and devices (values are `_CheckedLengths`'s)."""
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+    """Shapes, dtypes and devices (values are `_CheckedLengths`'s, max_seqlen `_check_max_seqlens`'s)."""
     _check_inputs(q, k, v, packed=True)
-    for (name, max_name, _), cu, bound in zip(_LENGTHS, (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)):
+    for (name, _, _), cu in zip(_LENGTHS, (cu_seqlens_q, cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
         if cu.dtype != torch.int32:
@@ -43,13 +45,17 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}")
         if cu.device != q.device:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {cu.device}")
-        if not _is_int(bound):
-            raise TypeError(f"{max_name} must be an int, got {type(bound).__name__}")
-        if bound < 0:
-            raise ValueError(f"{max_name} must be >= 0, got {bound}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+
+
+def _check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
+    for (_, name, _), bound in zip(_LENGTHS, (max_seqlen_q, max_seqlen_k)):
+        if not _is_int(bound):
+            raise TypeError(f"{name} must be an int, got {type(bound).__name__}")
+        if bound < 0:
+            raise ValueError(f"{name} must be >= 0, got {bound}")
 
 
 def _version(t: torch.Tensor):
@@ -109,6 +115,30 @@ class _CheckedLengths:
 
 
 _CHECKED = _CheckedLengths()
+
+_POISON = KernelLauncher("attention_varlen_lengths_check", malformed_lengths_poison_kernel)
+_POISON_BLOCK_B = 256
+_POISON_BLOCK = 1024
+_POISON_PROGRAMS = 64
+
+
+def poison_if_malformed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, outputs) -> None:
+    """Fills `outputs` (dense tensors, or None) with NaN, on the device and without a host read,
+    if cu_seqlens are malformed as the kernels read them now (`_kernels/lengths.py`)."""
+    flat = [(t, t.numel()) for t in outputs if t is not None and t.numel()]
+    if not flat:
+        return
+    flat += [flat[0][:1] + (0,)] * (3 - len(flat))
+    programs = min(_POISON_PROGRAMS, -(-max(n for _, n in flat) // _POISON_BLOCK))
+    ints = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, *(n for _, n in flat))
+    # What Triton specialises on: pointer dtypes and alignment; ints equal to 1, multiples of 16,
+    # past 32 bits (cu_seqlens are allocated by the caller: their alignment joins the key too).
+    key = (tuple((t.dtype, t.data_ptr() % 16) for t in (cu_seqlens_q, cu_seqlens_k, *(t for t, _ in flat))),
+           tuple((n == 1, n % 16 == 0, n >= 2**31) for n in ints))
+    _POISON.launch(key, (programs, 1, 1),
+                   (cu_seqlens_q, cu_seqlens_k, *ints[:5], *(x for pair in flat for x in pair), _POISON_BLOCK_B,
+                    _POISON_BLOCK),
+                   num_warps=4, num_stages=1, device_index=q.device.index if q.is_cuda else None)
 
 
 def _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k) -> None:
@@ -176,25 +206,26 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    write_lse, window_size=NO_WINDOW, softcap=0.0):
     """Runs the forward kernel on a packed batch: returns (out, lse) with lse (Hq, total_q), None
     unless `write_lse`."""
+    _check_options(causal, softmax_scale)  # every call, as in `interface.attention_forward`
+    window_size = check_band(window_size, softcap)
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k)
     try:
         key = _varlen_key((q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
                           softcap, write_lse)
         plan = _FORWARD_PLANS.get(key)
-    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks say which
+    except AttributeError:  # not tensors: the checks say which
         key = plan = None
     if plan is None:
-        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        _check_options(causal, softmax_scale)
-        window_size = check_band(window_size, softcap)
+        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
         plan = _ForwardPlan(q, k, v, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
                             softcap, write_lse, True)
         if key is not None:
             _remember(_FORWARD_PLANS, key, plan)
-    elif softmax_scale is not None:
-        _check_options(causal, softmax_scale)
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
-    return run_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
-                       longest_first(cu_seqlens_q, cu_seqlens_k))
+    out, lse = run_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
+                           longest_first(cu_seqlens_q, cu_seqlens_k))
+    poison_if_malformed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, (out, lse))
+    return out, lse
 
 
 def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -202,26 +233,27 @@ def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     """Runs the backward kernels on a packed batch: returns (dq, dk, dv) with the layouts of q, k
     and v; lse and grad_lse are (Hq, total_q)."""
     tensors = (grad_output, q, k, v, out, lse)
+    _check_options(causal, softmax_scale)  # every call, as in `interface.attention_forward`
+    window_size = check_band(window_size, softcap)
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k)
     try:
         key = _varlen_key(tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
                           softcap)
         plan = _BACKWARD_PLANS.get(key)
-    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks say which
+    except AttributeError:  # not tensors: the checks say which
         key = plan = None
     if plan is None:
-        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
         check_backward_tensors(grad_output, q, out, lse, (q.shape[1], q.shape[0]), "(heads_q, total_q)")
-        _check_options(causal, softmax_scale)
-        window_size = check_band(window_size, softcap)
         plan = _BackwardPlan(tensors, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
                              softcap, True)
         if key is not None:
             _remember(_BACKWARD_PLANS, key, plan)
-    elif softmax_scale is not None:
-        _check_options(causal, softmax_scale)
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
-    return run_backward(plan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                        grad_lse, longest_first(cu_seqlens_q, cu_seqlens_k))
+    grads = run_backward(plan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+                         grad_lse, longest_first(cu_seqlens_q, cu_seqlens_k))
+    poison_if_malformed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, grads)
+    return grads
 
 
 class _VarlenFunction(torch.autograd.Function):
@@ -250,7 +282,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Args:
         q: (total_q, Hq, D) the queries of every sequence, one after the other; fp16, bf16 or
-            fp32 (fp32 uses tf32 matrix products on the GPU).
+            fp32 (see `flash_attention_science` for fp32's precision).
         k, v: (total_k, Hkv, D) keys and values, packed the same way, the dtype of q; Hq must be
             a multiple of Hkv (GQA / MQA).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths on q's device:
@@ -277,7 +309,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         out (total_q, Hq, D) with q's layout and dtype, or (out, lse) when return_lse.
     """
-    _check_deterministic(deterministic)
+    check_flags(deterministic, return_lse)
     try:
         differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     except AttributeError:  # not tensors: the checks say which argument is wrong

@@ -46,10 +46,10 @@ from ..launch import KernelLauncher
 from . import configs, experts, routing
 from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
 
-_GRAD_GATE_UP = KernelLauncher("moe_grad_gate_up", grad_gate_up_kernel)
-_GRAD_X = KernelLauncher("moe_grad_x", grad_x_kernel)
-_GRAD_W1 = KernelLauncher("moe_grad_w1", grad_w1_kernel)
-_GRAD_W2 = KernelLauncher("moe_grad_w2", grad_w2_kernel)
+_GRAD_GATE_UP = KernelLauncher("moe_grad_gate_up", grad_gate_up_kernel, fp32_dots=True)
+_GRAD_X = KernelLauncher("moe_grad_x", grad_x_kernel, fp32_dots=True)
+_GRAD_W1 = KernelLauncher("moe_grad_w1", grad_w1_kernel, fp32_dots=True)
+_GRAD_W2 = KernelLauncher("moe_grad_w2", grad_w2_kernel, fp32_dots=True)
 _MAX_PLANS = 4096
 
 

@@ -21,7 +21,8 @@ its BLOCK_N is half of the down kernel's at the same register budget.
 Families differ by shared memory per block: Hopper (sm90) 227 KB, A100-class (sm80) 163 KB and
 the 99 KB parts (sm86, sm89). Triton keeps num_stages copies of the A and B tiles in shared
 memory for wgmma on Hopper and num_stages - 1 elsewhere; the 99 KB parts get narrower tiles.
-fp32 inputs (tf32 tensor cores on the GPU) have one small table for every family.
+fp32 inputs (3xTF32 or TF32 tensor-core products on the GPU, `device.fp32_dot_precision`) have one small
+table for every family.
 
 These tables are reasoned starting points, not yet measured: `flashmoe-science bench moe
 --sweep` times a grid of candidates per bucket on the GPU and prints a table in this format.
@@ -76,18 +77,23 @@ _LARGE_SMEM = ((8, _DECODE),
 # benchmark shapes at 4096 and 16384 tokens in an H100 comparison of its candidates (Mixtral-8x7B
 # at 16k tokens: 12.96 ms, against 14.23 ms before gate and up shared one product per step).
 _HOPPER = _LARGE_SMEM[:-1] + ((None, X(128, G(128, 64, 8, 8, 3), G(256, 64, 8, 8, 4))),)
+# sm80: as above, but the middle bucket's gate/up GEMM on eight warps: on four its 64 x 256 fp32
+# accumulator (gate and up interleaved) spills 72-80 bytes a thread under sm80's ptxas.
+_SM80 = _LARGE_SMEM[:2] + ((96, X(64, G(128, 64, 8, 8, 4), G(128, 64, 8, 4, 4))),) + _LARGE_SMEM[3:]
 # 99 KB (sm86, sm89): half-width B tiles, two buffers, at most 64 KB.
 _SMALL_SMEM = ((8, _DECODE),
                (32, X(32, G(64, 64, 1, 4, 3), G(128, 64, 1, 4, 3))),
                (96, X(64, G(64, 64, 8, 4, 3), G(128, 64, 8, 4, 3))),
                (None, X(128, G(64, 64, 8, 8, 3), G(128, 64, 8, 8, 3))))
+# fp32 (3xTF32 products hold each operand twice): the prefill GEMMs on eight warps, whose
+# accumulators spill 800-930 bytes a thread on four under sm80 and sm89's ptxas.
 _FP32 = ((8, X(16, G(32, 64, 1, 4, 3), G(64, 64, 1, 4, 3))),
-         (None, X(64, G(64, 32, 8, 4, 3), G(128, 32, 8, 4, 3))))
+         (None, X(64, G(64, 32, 8, 8, 3), G(128, 32, 8, 8, 3))))
 # EXPERTS[family][element bytes]: ((most pairs per expert, config), ...) in increasing bound;
 # the last bound, None, takes every larger load.
 EXPERTS = {
     90: {2: _HOPPER, 4: _FP32},
-    80: {2: _LARGE_SMEM, 4: _FP32},
+    80: {2: _SM80, 4: _FP32},
     89: {2: _SMALL_SMEM, 4: _FP32},
 }
 del G, X
@@ -167,7 +173,7 @@ _BACKWARD_SMALL_SMEM = {
 _FP32_WEIGHT_GRAD = W(64, 64, 32, 8, 4, 4)
 _BACKWARD_FP32 = {
     16: B(G(32, 64, 1, 4, 3), G(64, 64, 1, 4, 3), _FP32_WEIGHT_GRAD, _FP32_WEIGHT_GRAD),
-    64: B(G(64, 32, 8, 4, 3), G(128, 32, 8, 4, 3), _FP32_WEIGHT_GRAD, _FP32_WEIGHT_GRAD),
+    64: B(G(64, 32, 8, 4, 3), G(128, 32, 8, 8, 3), _FP32_WEIGHT_GRAD, _FP32_WEIGHT_GRAD),
 }
 # BACKWARD[family][element bytes][forward BLOCK_M]. On Hopper the prefill tiles read their dense
 # operands through tensor descriptors (`BackwardConfig.tma`). A one-off A/B on an H100, each

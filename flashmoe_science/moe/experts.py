@@ -32,8 +32,8 @@ from . import configs, routing
 from ._kernels.combine import combine_kernel
 from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
 
-_GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel)
-_DOWN = KernelLauncher("moe_down", down_kernel)
+_GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel, fp32_dots=True)
+_DOWN = KernelLauncher("moe_down", down_kernel, fp32_dots=True)
 _COMBINE = KernelLauncher("moe_combine", combine_kernel)
 _MAX_PLANS = 4096
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -65,6 +65,10 @@ def _check_experts_args(hidden_states, w1, w2, activation) -> None:
     if two_i % 2:
         raise ValueError(f"w1 has shape {tuple(w1.shape)}; its middle dimension must be 2*I (gate and up rows)")
     I = two_i // 2
+    if w2.shape[0] == E and w2.shape[1] == H and w2.shape[2] != I:
+        raise ValueError(f"w1 has shape {tuple(w1.shape)} and w2 {tuple(w2.shape)}: w1 must be (E, 2*I, H), gate "
+                         f"rows then up rows, with I = {w2.shape[2]} (w2's last dimension), so its middle dimension "
+                         f"must be {2 * w2.shape[2]}, not {two_i}; or w2 must be (E, H, {I})")
     if tuple(w2.shape) != (E, H, I):
         raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected (E, H, I) = {(E, H, I)} from w1 and hidden_states")
     if not 1 <= E <= configs.MAX_EXPERTS:
@@ -212,14 +216,16 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     e = topk_ids[t, j].
 
     Args:
-        hidden_states: (T, H) float16, bfloat16 or float32 (fp32 runs tf32 tensor-core products
-            on the GPU); any row stride.
+        hidden_states: (T, H) float16, bfloat16 or float32 (fp32 products follow torch's
+            float32 matmul precision: 3xTF32 at "highest", PyTorch's default, else TF32); any row
+            stride.
         w1: (E, 2*I, H), hidden_states' dtype: rows [0, I) are the gate projection, rows
             [I, 2I) the up projection.
         w2: (E, H, I), hidden_states' dtype: the down projection.
         topk_weights: (T, top_k) float32 (float16 and bfloat16 are converted to float32 first).
-        topk_ids: (T, top_k) int32 (int64 is converted first). An id outside [0, E) drops that
-            slot: it contributes nothing (as for experts held by another rank).
+        topk_ids: (T, top_k) int32 or int64. An id outside [0, E), of either dtype and of any
+            magnitude, drops that slot: it contributes nothing (as for experts held by another
+            rank), never another expert's output.
         activation: "silu" (SwiGLU) or "gelu" (GeGLU, with the tanh approximation of GELU).
 
     E from 1 to 256, top_k from 1 to min(E, 8); H and I multiples of 16. The weights need unit
@@ -255,7 +261,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
         topk_weights = topk_weights.to(torch.float32).contiguous()
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
-        topk_ids = topk_ids.to(torch.int32).contiguous()
+        topk_ids = routing.ids_int32(topk_ids, plan.num_experts)
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
     return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)[0]
 
@@ -265,7 +271,7 @@ def _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation):
     weights as fp32 and the ids as int32, contiguous, as the kernels read them (the conversion
     of the weights is itself differentiable)."""
     weights = topk_weights.to(torch.float32).contiguous()
-    ids = topk_ids.to(torch.int32).contiguous()
+    ids = routing.ids_int32(topk_ids, w1.shape[0])
     return torch.ops.flashmoe_science.moe_experts_forward(hidden_states, w1, w2, weights, ids, activation)[0]
 
 
@@ -315,7 +321,7 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
     (w1[e_j, I:] @ x_t)).
 
     Args:
-        hidden_states: (T, H) float16, bfloat16 or float32 (tf32 products on the GPU).
+        hidden_states: (T, H) float16, bfloat16 or float32 (fp32 products as in `fused_experts`).
         w1: (E, 2*I, H) and w2: (E, H, I), hidden_states' dtype (see `fused_experts`).
         router_logits: (T, E) float16, bfloat16 or float32, any dtype of the three.
         top_k: experts per token, 1 <= top_k <= min(E, 8).
@@ -342,6 +348,9 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
     if plan is None:
         _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
         plan = _remember(_MOE_PLANS, key, _ExpertsPlan(key, hidden_states, w1, w2, top_k))
+    else:  # the key compares top_k=2.0 equal to 2 and renormalize=1 equal to True: types checked every call
+        routing.check_top_k(top_k, plan.num_experts)
+        routing.check_routing_options(renormalize, scoring)
     return _moe_forward(plan, hidden_states, w1, w2, router_logits, renormalize, activation, scoring)
 
 

@@ -64,8 +64,15 @@ def experts_forward_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weigh
 def _experts_forward_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation):
     T, H = hidden_states.shape
     inter = w1.shape[1] // 2
-    block_m, num_blocks = experts.saved_layout_size(hidden_states, w1, topk_ids.shape[1])
-    rows = num_blocks * block_m
+    if isinstance(T, torch.SymInt):
+        # A dynamic token count: the layout's size follows from T through the configuration
+        # table's load buckets, which a symbolic T cannot pick without guarding on its range. Its
+        # tensors only travel to the backward op, so their sizes can stay unknown.
+        ctx = torch.library.get_ctx()
+        rows, num_blocks = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    else:
+        block_m, num_blocks = experts.saved_layout_size(hidden_states, w1, topk_ids.shape[1])
+        rows = num_blocks * block_m
     new = hidden_states.new_empty
     return (new((T, H)), new((rows, inter)), new((rows, 2 * inter)), topk_ids.new_empty((rows,)),
             topk_ids.new_empty((num_blocks,)), topk_ids.new_empty((num_blocks,)))

@@ -42,7 +42,7 @@ class PairLayout(NamedTuple):
     sorted_pairs: (num_blocks * block_m,) int32. Pair p = t * top_k + j stands for token t's
         j-th expert. Expert e's pairs sit in increasing p at the start of one contiguous range
         of whole blocks; ranges follow in expert order. Rows past a block's block_rows are
-        padding and hold no defined value.
+        padding and hold -1.
     block_expert: (num_blocks,) int32, the expert of each block_m-row block, -1 past the last.
     block_rows: (num_blocks,) int32, how many rows of each block hold pairs (0 past the last).
     num_blocks is the upper bound cdiv(T * top_k, block_m) + min(E, T * top_k).
@@ -143,6 +143,15 @@ def align_pairs(topk_ids: torch.Tensor, plan: DispatchPlan, key) -> PairLayout:
     return layout
 
 
+def ids_int32(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """topk_ids as the kernels read them: int32, contiguous, every id outside [0, num_experts)
+    (the slots a caller drops) as -1. An int64 id is mapped before it is narrowed, so that
+    2**32 + 3 drops its slot instead of wrapping to expert 3."""
+    if topk_ids.dtype == torch.int64:
+        topk_ids = topk_ids.masked_fill((topk_ids < 0) | (topk_ids >= num_experts), -1)
+    return topk_ids.to(torch.int32).contiguous()
+
+
 def check_router_logits(router_logits, name: str = "router_logits") -> None:
     if not isinstance(router_logits, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(router_logits).__name__}")
@@ -241,6 +250,9 @@ def route(router_logits, top_k, renormalize, scoring):
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
+    else:  # the key compares top_k=2.0 equal to 2 and renormalize=1 equal to True: types checked every call
+        check_top_k(top_k, plan.dispatch.num_experts)
+        check_routing_options(renormalize, scoring)
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
     dispatch = plan.dispatch

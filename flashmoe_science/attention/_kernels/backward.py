@@ -83,6 +83,13 @@ def _lse_log2(lse):
 
 
 @triton.jit
+def no_key_rows_zero(dq, lse_log2):
+    """dq with exactly 0 in the rows that see no key (lse_log2 = +inf). Their p is 0 everywhere,
+    but 0 times a NaN or Inf score gradient (from V or dO of keys their neighbours see) is NaN."""
+    return tl.where((lse_log2 == float("inf"))[:, None], 0.0, dq)
+
+
+@triton.jit
 def attention_backward_preprocess_kernel(
     O, DO, LSE, DELTA, LSE_LOG2,
     stride_ob, stride_oh, stride_om,
@@ -156,7 +163,7 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, DQ_ACC, h, i, first_m,
                     stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_aqb, stride_aqh,
                     stride_aqm, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DQ_MODE: tl.constexpr,
-                    TMA: tl.constexpr, VARLEN: tl.constexpr):
+                    TMA: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Query head `h`'s query block `i` of a loop: one BLOCK_M block of query rows against the
     program's BLOCK_N keys, on transposed tiles. The blocks of a loop are one run from `first_m`,
     or (masked loops) `num_first` blocks from `first_m` then the rest from `second_m`. With
@@ -184,20 +191,20 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, DQ_ACC, h, i, first_m,
     else:
         lse_log2 = tl.load(LSE_LOG2 + row_offsets)
         delta = tl.load(DELTA + row_offsets)
-    p_t, t = _scores_to_probabilities(tl.dot(k, tl.trans(q)), lse_log2, scale_log2, softcap_scale, softcap_log2,
+    p_t, t = _scores_to_probabilities(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), lse_log2, scale_log2, softcap_scale, softcap_log2,
                                       SOFTCAP, True)
     if MASKED:
         rel = keys[:, None] - rows[None, :]
         p_t = tl.where((rel <= diag_hi) & (rel >= diag_lo), p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv)
-    dp_t = tl.dot(v, tl.trans(do))
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     if SOFTCAP:
         ds_t = ds_t * (1.0 - t * t)
     ds_t = ds_t.to(q.dtype)
-    dk = tl.dot(ds_t, q, dk)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
     if DQ_MODE != DQ_SEPARATE:
-        dq = tl.dot(tl.trans(ds_t), k) * softmax_scale
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale
         acc_row = q_start + start_m
         if DQ_MODE == DQ_TMA:
             # Rows past this sequence's end add exact zeros (their p is 0); past the tensor, TMA drops them.
@@ -222,9 +229,10 @@ def attention_backward_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_aqb, stride_aqh, stride_aqm,
     stride_lb, stride_lh,
-    num_heads_kv, group_size, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
+    num_heads_kv, group_size, seqlen_q, seqlen_k, total_q, total_k, num_n_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DQ_MODE: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Key blocks of one kv head are adjacent in the grid so that they share Q and dO in L2. Under
     # causal masking the first key blocks are seen by the most query rows: heaviest run first.
@@ -236,7 +244,7 @@ def attention_backward_dkdv_kernel(
     h_kv64 = (pid_bh % num_heads_kv).to(tl.int64)
     start_n = pid_n * BLOCK_N
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
-                                                            seqlen_k, VARLEN)
+                                                            seqlen_k, total_q, total_k, VARLEN)
     if VARLEN:
         if start_n >= seqlen_k:
             return
@@ -291,7 +299,8 @@ def attention_backward_dkdv_kernel(
                                  q_start, seqlen_q, diag_lo, diag_hi, softmax_scale, scale_log2, softcap_scale,
                                  softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_aqb, stride_aqh, stride_aqm,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, SOFTCAP, DQ_MODE, TMA, VARLEN)
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, SOFTCAP, DQ_MODE, TMA, VARLEN,
+                                 DOT_PRECISION)
         i += 1
         h = tl.where(i == num_masked, h + 1, h)
         i = tl.where(i == num_masked, 0, i)
@@ -303,7 +312,8 @@ def attention_backward_dkdv_kernel(
                                  q_start, seqlen_q, diag_lo, diag_hi, softmax_scale, scale_log2, softcap_scale,
                                  softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_aqb, stride_aqh, stride_aqm,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, SOFTCAP, DQ_MODE, TMA, VARLEN)
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, SOFTCAP, DQ_MODE, TMA, VARLEN,
+                                 DOT_PRECISION)
         i += 1
         h = tl.where(i == num_full, h + 1, h)
         i = tl.where(i == num_full, 0, i)
@@ -324,7 +334,8 @@ def attention_backward_dkdv_kernel(
 def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, lo, num_first, second_n, rows,
                       offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2, stride_kn,
                       stride_vn, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr):
+                      MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """The program's BLOCK_M query rows against key block `i` of a loop: one run of blocks from
     `lo`, or (masked loops) `num_first` blocks from `lo` then the rest from `second_n`. With TMA,
     k_ptrs and v_ptrs are the K and V descriptors and kv_coords their (batch, head, first row)."""
@@ -341,16 +352,16 @@ def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, 
         start64 = tl.cast(start_n, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
         k = load_tile(k_ptrs + start64 * stride_kn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         v = load_tile(v_ptrs + start64 * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    p, t = _scores_to_probabilities(tl.dot(q, tl.trans(k)), lse_log2, scale_log2, softcap_scale, softcap_log2,
+    p, t = _scores_to_probabilities(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), lse_log2, scale_log2, softcap_scale, softcap_log2,
                                     SOFTCAP, False)
     if MASKED:
         rel = keys[None, :] - rows[:, None]
         p = tl.where((keys[None, :] < seqlen_k) & (rel <= diag_hi) & (rel >= diag_lo), p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    return tl.dot(ds.to(k.dtype), k, dq)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -364,9 +375,10 @@ def attention_backward_dq_kernel(
     stride_ob, stride_oh, stride_om,
     stride_dqb, stride_dqh, stride_dqm,
     stride_lb, stride_lh,
-    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
+    num_heads_q, group_size, seqlen_q, seqlen_k, total_q, total_k, num_m_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr, DELTA_HERE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Query blocks of one head adjacent (they share K and V in L2); under causal masking the last
     # query block sees the most keys, so blocks run last-first to shorten the tail.
@@ -380,7 +392,7 @@ def attention_backward_dq_kernel(
     h_kv64 = (h // group_size).to(tl.int64)
     start_m = pid_m * BLOCK_M
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
-                                                            seqlen_k, VARLEN)
+                                                            seqlen_k, total_q, total_k, VARLEN)
     if VARLEN:
         if start_m >= seqlen_q:
             return
@@ -429,14 +441,14 @@ def attention_backward_dq_kernel(
         dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, lo, num_before, full_hi,
                                rows, offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
                                softcap_log2, stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, True, SOFTCAP, TMA,
-                               VARLEN)
+                               VARLEN, DOT_PRECISION)
     for i in range(0, num_full):
         dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, full_lo, num_full, full_lo,
                                rows, offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
                                softcap_log2, stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, False, SOFTCAP, TMA,
-                               VARLEN)
+                               VARLEN, DOT_PRECISION)
 
-    dq = dq * softmax_scale
+    dq = no_key_rows_zero(dq, lse_log2) * softmax_scale
     if TMA and not VARLEN:
         DQ.store([b, h, start_m, 0], dq.to(DQ.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
     else:

@@ -300,6 +300,9 @@ def attention_backward_dq_gluon_kernel(
     mbarrier.invalidate(qdo_bar)
     _invalidate_bars(k_bars, NUM_STAGES)
     _invalidate_bars(v_bars, NUM_STAGES)
+    # Rows that see no key get exactly 0 (`backward.no_key_rows_zero`).
+    no_key = gl.convert_layout(lse_log2 == float("inf"), gl.SliceLayout(1, acc_layout))
+    dq = gl.where(no_key[:, None], 0.0, dq)
     q.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_dq, [b, h, start_m, 0], q_smem)

@@ -27,6 +27,8 @@ UNBOUNDED = tl.constexpr(1 << 30)
 NO_EDGE = tl.constexpr(0)
 RIGHT_EDGE = tl.constexpr(1)
 BOTH_EDGES = tl.constexpr(2)
+# The input precision of fp32 products where a kernel takes none (the Hopper kernels: 16-bit only).
+TF32 = tl.constexpr("tf32")
 # The smallest softmax scale the forward kernels take: a zero one gives the same uniform weights
 # this way, without 0 * -inf on masked scores (`softmax_step`).
 MIN_SCALE = 1e-30
@@ -85,23 +87,42 @@ def visible_band(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: 
 
 @triton.jit
 def tanh(x):
-    """tanh(x) as 1 - 2 / (exp(2x) + 1) with one exp2: exact at both tails (no inf / inf). The
-    softcap of scores s is softcap * tanh(s / softcap)."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+    """tanh(x) to a few fp32 ulp over the whole range (the softcap of scores s is
+    softcap * tanh(s / softcap), where a large softcap makes s / softcap small).
+
+    |x| >= 1/4: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 0.61], one exp2, no
+    overflow and no cancellation worth a bit. |x| < 1/4, where 1 - e would cancel: the odd
+    Taylor series to x^11, whose first omitted term is below 2e-9 relative there."""
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * -2.8853900817779268)
+    wide = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    poly = x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397 + x2 * (
+        0.021869488536155203 + x2 * -0.008863235529902197))))
+    return tl.where(ax < 0.25, x + x * poly, tl.where(x < 0.0, -wide, wide))
 
 
 @triton.jit
-def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q, seqlen_k, total_q, total_k,
+                    VARLEN: tl.constexpr):
     """(q_start, seqlen_q, k_start, seqlen_k) of the program's sequence: in a variable-length
     batch the b-th of SEQUENCE_ORDER (longest first, so that the longest programs start first and
     short ones fill the tail), from the cumulative lengths; else the dense batch's own (rows
-    start at 0 of each batch entry)."""
+    start at 0 of each batch entry).
+
+    In a variable-length batch seqlen_q and seqlen_k come in as max_seqlen_q and max_seqlen_k,
+    and the bounds read are clamped into the tensors: start in [0, total], end in [start, total],
+    length at most max_seqlen. Well-formed cumulative lengths pass unchanged; malformed ones (which
+    the host checks once per tensor, and `lengths.malformed_lengths_poison_kernel` on every call)
+    can then never move a program's reads or writes outside q, k, v and their outputs."""
     if VARLEN:
         b = tl.load(SEQUENCE_ORDER + b)
-        q_start = tl.load(CU_SEQLENS_Q + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_start
-        k_start = tl.load(CU_SEQLENS_K + b)
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_start
+        q_start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b), 0), total_q)
+        q_end = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_Q + b + 1), q_start), total_q)
+        k_start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + b), 0), total_k)
+        k_end = tl.minimum(tl.maximum(tl.load(CU_SEQLENS_K + b + 1), k_start), total_k)
+        seqlen_q = tl.minimum(q_end - q_start, seqlen_q)
+        seqlen_k = tl.minimum(k_end - k_start, seqlen_k)
     else:
         q_start = 0
         k_start = 0
@@ -125,7 +146,7 @@ def band_edge_mask(s, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, EDGES
 @triton.jit
 def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
                  softcap_scale, softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                 EXP_POLY: tl.constexpr = 0):
+                 EXP_POLY: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = TF32):
     """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits s * mult
     (softcapped if asked), masked to the band on edge blocks (MASKED: NO_EDGE, RIGHT_EDGE or
     BOTH_EDGES, `band_edge_mask`), then rescale and accumulate p.v.
@@ -155,30 +176,32 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_l
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
 @triton.jit
 def finish(acc, l_i, m_i):
     """Normalised output and natural-log lse. Rows that saw no key (causal with Sk < Sq, an empty
-    window, Sk = 0) have l = 0: output 0 and lse -inf."""
+    window, Sk = 0) have l = 0: output exactly 0 and lse -inf, also where a key block their
+    neighbours see holds NaN or Inf in V (their p of 0 times it is NaN in the product)."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    return acc / l_safe[:, None], lse
+    return tl.where((l_i == 0.0)[:, None], 0.0, acc / l_safe[:, None]), lse
 
 
 @triton.jit
 def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, seqlen_k, diag_lo, diag_hi,
                   scale_log2, softcap_scale, softcap_log2, stride_kn, stride_vn,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     cols = start_n + offs_n
     start64 = tl.cast(start_n, tl.int64)  # start_n * stride passes 2**31 on long (B, S, H, D) inputs
     k = load_tile(k_ptrs + start64 * stride_kn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != NO_EDGE)
     v = load_tile(v_ptrs + start64 * stride_vn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != NO_EDGE)
-    qk = tl.dot(q, tl.trans(k))
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     return softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
-                        softcap_scale, softcap_log2, MASKED, SOFTCAP)
+                        softcap_scale, softcap_log2, MASKED, SOFTCAP, 0, DOT_PRECISION)
 
 
 @triton.jit
@@ -190,14 +213,15 @@ def attention_forward_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
-    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
+    num_heads_q, group_size, seqlen_q, seqlen_k, total_q, total_k, num_m_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
 
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
-                                                           seqlen_k, VARLEN)
+                                                           seqlen_k, total_q, total_k, VARLEN)
     if VARLEN:
         if pid_m * BLOCK_M >= seqlen_q:
             return
@@ -223,15 +247,15 @@ def attention_forward_kernel(
     for start_n in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, BOTH_EDGES, SOFTCAP)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, BOTH_EDGES, SOFTCAP, DOT_PRECISION)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, NO_EDGE, SOFTCAP)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, NO_EDGE, SOFTCAP, DOT_PRECISION)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, RIGHT_EDGE, SOFTCAP)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, RIGHT_EDGE, SOFTCAP, DOT_PRECISION)
 
     out, lse = finish(acc, l_i, m_i)
     o_ptrs = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_rows * stride_om + offs_d[None, :]

@@ -295,9 +295,9 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         mbarrier.arrive(v_empty.index(use % NUM_STAGES), count=1)
 
-    # Rows that saw no key have l = 0: output 0 and lse -inf (`forward.finish`).
+    # Rows that saw no key have l = 0: output exactly 0 and lse -inf (`forward.finish`).
     l_o = gl.convert_layout(l_i, rows_o)
-    out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    out = gl.where((l_o == 0.0)[:, None], 0.0, acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None])
     o_buf = o_smem.index(C)
     if SEPARATE_O:
         tma.store_wait(0)  # the previous tile's store has read the buffer

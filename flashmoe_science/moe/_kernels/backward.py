@@ -51,7 +51,7 @@ def grad_gate_up_kernel(
     num_blocks_m, num_pairs, H, I, top_k, weight_grad_operands,
     stride_gt, stride_we, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """grad_out: (T, H), row stride stride_gt; w2: (E, H, I), strides (stride_we, stride_wn, 1)
     (TMA: a descriptor of it, blocks (1, BLOCK_K, BLOCK_N));
@@ -88,7 +88,7 @@ def grad_gate_up_kernel(
             b = w2_ptr.load([expert, k0, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
         else:
             b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         dy_ptrs += BLOCK_K
         if not TMA:
             w_ptrs += BLOCK_K * stride_wn
@@ -120,7 +120,7 @@ def grad_x_kernel(
     num_blocks_m, H, I,
     stride_we, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """grad_gate_up: (rows, 2I) contiguous, layout order; w1: (E, 2I, H), strides (stride_we,
     stride_wn, 1); grad_x_pairs: (T * top_k, H) contiguous, row p = w1[e].T @ grad_gate_up[row of p].
@@ -151,7 +151,7 @@ def grad_x_kernel(
             b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wn
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     tl.store(grad_x_pairs_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :],
              acc.to(grad_x_pairs_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -203,7 +203,7 @@ def grad_w1_kernel(
     grad_gate_up_ptr, x_ptr, grad_w1_ptr, row_tokens_ptr, expert_blocks_ptr,
     H, I, block_m, stride_xt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """grad_w1: (E, 2I, H) contiguous, grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
 
@@ -233,7 +233,7 @@ def grad_w1_kernel(
                         mask=m_ok[:, None] & in_range[None, :], other=0.0)
         b = tl.load(x_ptr + wide_offset(tokens, stride_xt)[:, None] + offs_n[None, :],
                     mask=(tokens >= 0)[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     out_offs = wide_offset(expert, 2 * I) * H + wide_offset(offs_m, H)[:, None] + offs_n[None, :]
     tl.store(grad_w1_ptr + out_offs, acc.to(grad_w1_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -243,7 +243,7 @@ def grad_w2_kernel(
     grad_out_ptr, weighted_h_ptr, grad_w2_ptr, row_tokens_ptr, expert_blocks_ptr,
     H, I, block_m, stride_gt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """grad_w2: (E, H, I) contiguous, grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e].
 
@@ -271,6 +271,6 @@ def grad_w2_kernel(
         else:
             b = tl.load(weighted_h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :],
                         mask=in_range[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     out_offs = wide_offset(expert, H) * I + wide_offset(offs_m, I)[:, None] + offs_n[None, :]
     tl.store(grad_w2_ptr + out_offs, acc.to(grad_w2_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -62,6 +62,9 @@ def _route_rows(logits_ptr, stride_lt, rows, T, E, top_k, sigmoid, renormalize, 
     return weights, ids
 
 
+PAD_COLS = tl.constexpr(32)  # padding rows of sorted_pairs written per step, per block
+
+
 @triton.jit
 def _chunk_counts(ids_ptr, first, last, E, E_PAD: tl.constexpr, COUNT_TILE: tl.constexpr):
     """Per-expert counts (E_PAD,) int32 of the pairs [first, last) with ids in [0, E)."""
@@ -111,8 +114,15 @@ def _place_pairs(ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, co
         used = expert < E
         expert = tl.where(used, expert, 0)
         rows = tl.minimum(tl.gather(start, expert, 0) + tl.gather(counts, expert, 0) - row0, block_m)
+        rows = tl.where(used, rows, 0)
         tl.store(block_expert_ptr + blocks, tl.where(used, expert, -1), mask=b_ok)
-        tl.store(block_rows_ptr + blocks, tl.where(used, rows, 0), mask=b_ok)
+        tl.store(block_rows_ptr + blocks, rows, mask=b_ok)
+        # The block's padding rows hold -1: no value of the layout is left undefined.
+        for r0 in range(0, block_m, PAD_COLS):
+            r = r0 + tl.arange(0, PAD_COLS)
+            pad = b_ok[:, None] & (r[None, :] >= rows[:, None]) & (r[None, :] < block_m)
+            tl.store(sorted_pairs_ptr + row0[:, None] + r[None, :], tl.full((TILE_B, PAD_COLS), -1, tl.int32),
+                     mask=pad)
 
 
 @triton.jit(do_not_specialize=["top_k", "sigmoid", "renormalize", "block_m"])

@@ -2,8 +2,8 @@
 
 Both kernels map one program to one (BLOCK_M rows of the layout) x (BLOCK_N output columns)
 tile. Every BLOCK_M block belongs to a single expert (`block_expert`), so a tile is an ordinary
-dense GEMM tile against that expert's weights; blocks past the last expert (-1) exit at once,
-and the rows of a block past `block_rows[b]` are padding: masked on load and store.
+dense GEMM tile against that expert's weights; blocks past the last expert (-1) exit at once
+(gate_up_kernel writes zeros there first when it stores for a backward), and the rows of a block past `block_rows[b]` are padding: masked on load and store.
 
 gate_up_kernel: h[row] = act(x[t] @ w1[e, :I].T) * (x[t] @ w1[e, I:].T) for the pair p =
 sorted_pairs[row], t = p // top_k. The token rows are gathered straight from x inside the
@@ -25,7 +25,7 @@ one token count serves every other.
 
 Launch order: programs are grouped GROUP_M row blocks at a time over all column tiles
 ("swizzled"), so the tiles in flight share an expert's weight columns and the gathered token
-rows in L2. With fp32 inputs tl.dot uses tf32 tensor cores on the GPU.
+rows in L2. With fp32 inputs tl.dot runs DOT_PRECISION (`device.fp32_dot_precision`: 3xTF32 or TF32).
 """
 import triton
 import triton.language as tl
@@ -104,6 +104,7 @@ def gate_up_kernel(
     stride_xt, stride_we, stride_wn,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn, 1);
     h: (num_blocks_m * BLOCK_M, I) contiguous, in x's dtype; h_grads (written when
@@ -111,10 +112,16 @@ def gate_up_kernel(
     [dh/dgate, dh/dup]."""
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
                                                BLOCK_M, BLOCK_N, GROUP_M)
-    if expert < 0:
-        return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
+    if expert < 0:
+        if store_h_grads:  # the layout's unused blocks, saved for the backward: zeros, never stale memory
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
+            h_grads_offs = wide_offset(rows, 2 * I)[:, None] + offs_n[None, :]
+            tl.store(h_grads_ptr + h_grads_offs, zeros, mask=n_ok[None, :])
+            tl.store(h_grads_ptr + I + h_grads_offs, zeros, mask=n_ok[None, :])
+            tl.store(h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :], zeros, mask=n_ok[None, :])
+        return
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + wide_offset(pairs // top_k, stride_xt)[:, None] + offs_k[None, :]
     # One B tile of 2 * BLOCK_N columns alternating the gate and up rows of w1: a single product
@@ -127,7 +134,8 @@ def gate_up_kernel(
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & (col_n < I)[None, :], other=0.0), acc)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & (col_n < I)[None, :], other=0.0), acc,
+                     input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -151,6 +159,7 @@ def down_kernel(
     num_blocks_m, H, I,
     stride_we, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """h: (num_blocks_m * BLOCK_M, I) contiguous; w2: (E, H, I), strides (stride_we,
     stride_wn, 1); weights: (T * top_k,) fp32 routing weights; y: (T * top_k, H) contiguous."""
@@ -167,7 +176,8 @@ def down_kernel(
     for k0 in range(0, I, BLOCK_K):
         k_ok = offs_k < I - k0
         a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc,
+                     input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
