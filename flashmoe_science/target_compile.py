@@ -20,23 +20,8 @@ import os
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
-
 from .device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS
-
-
-@dataclass(frozen=True)
-class KernelBuild:
-    """One kernel specialisation the dispatcher can launch."""
-
-    label: str
-    fn: object  # triton.JITFunction (or Gluon's)
-    signature: dict  # argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr")
-    constexprs: dict
-    num_warps: int
-    num_stages: int
-    aligned: tuple = field(default=())  # arguments known to be multiples of 16 (pointers: 16-byte aligned)
-    maxnreg: int | None = None  # the launch's register bound, where the launcher sets one
+from .kernel_build import KernelBuild
 
 
 def compile_build(build: KernelBuild, capability: int):
@@ -71,14 +56,10 @@ def _registers_and_spills(ptxas_log: str) -> tuple[int | None, int | None]:
 
 def shipped_builds(capability: int) -> list[KernelBuild]:
     """Every build of every operation that the dispatchers can pick on `capability`."""
-    from .attention import configs as attention_configs
+    from .attention import builds as attention_builds
+    from .moe import builds as moe_builds
 
-    builds = list(attention_configs.shipped_builds(capability))
-    try:
-        from .moe import configs as moe_configs
-    except ImportError:  # the MoE package is optional while it is being built
-        return builds
-    return builds + list(moe_configs.shipped_builds(capability))
+    return list(attention_builds.shipped_builds(capability)) + list(moe_builds.shipped_builds(capability))
 
 
 def _compile_row(capability: int, index: int) -> dict:

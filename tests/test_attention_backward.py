@@ -788,7 +788,8 @@ def test_fused_backward_one_warpgroup_build_runs_two_programs_an_sm():
     shared memory for two programs an SM; the consumers raise their registers with setmaxnreg. Compiled in a subprocess: the interpreter cannot compile for a GPU target."""
     code = """
 import json
-from flashmoe_science.attention.configs import _gluon_backward_builds, gluon_fused_backward_candidates
+from flashmoe_science.attention.builds import _gluon_backward_builds
+from flashmoe_science.attention.configs import gluon_fused_backward_candidates
 from flashmoe_science.target_compile import compile_build
 cfg = next(c for c in gluon_fused_backward_candidates(64) if c.dkdv.num_warps == 4 and c.dkdv.num_stages == 2)
 build = next(b for b in _gluon_backward_builds(64, cfg) if "bf16" in b.label)

@@ -14,7 +14,7 @@ from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher bu
 from flashmoe_science.device import SUPPORTED_TARGETS, info_for
 from flashmoe_science.launch import clear_records, last_launch
 from flashmoe_science.moe import backward as moe_backward
-from flashmoe_science.moe import configs, fused_experts, fused_moe, moe_route
+from flashmoe_science.moe import builds, configs, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
 
 BACKWARD_OPS = ("moe_grad_gate_up", "moe_grad_x", "moe_grad_w1", "moe_grad_w2")
@@ -202,7 +202,7 @@ def test_backward_tables_cover_every_forward_block_m():
 def test_every_backward_build_compiles_and_fits(compiled_rows):
     for cap in SUPPORTED_TARGETS:
         rows = [r for r in compiled_rows if r["target"] == f"sm{cap}" and r["label"].startswith(BACKWARD_OPS)]
-        assert {r["label"] for r in rows} == {b.label for b in configs.shipped_builds(cap)
+        assert {r["label"] for r in rows} == {b.label for b in builds.shipped_builds(cap)
                                               if b.label.startswith(BACKWARD_OPS)}
         assert all(r["fits"] for r in rows), [(r["label"], r["error"] or r["shared"]) for r in rows if not r["fits"]]
 

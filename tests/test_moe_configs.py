@@ -8,14 +8,14 @@ import torch
 
 from flashmoe_science.device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS, DeviceInfo, info_for
 from flashmoe_science.launch import last_launch
-from flashmoe_science.moe import configs, experts, fused_experts, fused_moe, moe_route
+from flashmoe_science.moe import builds, configs, experts, fused_experts, fused_moe, moe_route
 
 
 @pytest.mark.targets
 def test_every_moe_build_compiles_and_fits(compiled_rows):
     for cap in SUPPORTED_TARGETS:
         moe_rows = [r for r in compiled_rows if r["target"] == f"sm{cap}" and r["label"].startswith("moe_")]
-        assert len(moe_rows) == len(list(configs.shipped_builds(cap)))
+        assert len(moe_rows) == len(list(builds.shipped_builds(cap)))
     bad = [f"{r['target']} {r['label']}: " + (r["error"] or f"{r['shared']} > {r['limit']} bytes")
            for r in compiled_rows if r["label"].startswith("moe_") and not r["fits"]]
     assert not bad, "builds that do not compile or fit:\n" + "\n".join(bad)
@@ -59,7 +59,7 @@ def _launched_build(op, capability):
     # DOT_PRECISION follows torch's float32 matmul precision at launch time; the compile check
     # builds the default's (3xTF32) for every build, so it is not part of a build's constexprs.
     launched = {name: value for name, value in record.constexprs.items() if name != "DOT_PRECISION"}
-    matches = [b for b in configs.shipped_builds(capability)
+    matches = [b for b in builds.shipped_builds(capability)
                if b.fn.__name__ == record.kernel and b.constexprs == launched
                and record.num_warps in (None, b.num_warps) and record.num_stages in (None, b.num_stages)]
     assert matches, f"{op} ran {record.kernel} {record.constexprs}, which no shipped build covers"

@@ -15,7 +15,6 @@ interpreter in CI; "gpu" (where a GPU is) runs many more, and adds bf16.
 import itertools
 import math
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st

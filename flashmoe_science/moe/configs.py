@@ -26,8 +26,8 @@ table for every family.
 
 These tables are reasoned starting points, not yet measured: `flashmoe-science bench moe
 --sweep` times a grid of candidates per bucket on the GPU and prints a table in this format.
-`shipped_builds(capability)` enumerates every kernel specialisation the launchers can pick, so
-the CPU test compiles each for sm80, sm86, sm89 and sm90 and checks it fits.
+`builds.py` enumerates every kernel specialisation the launchers can pick from these tables,
+so the CPU test compiles each for sm80, sm86, sm89 and sm90 and checks it fits.
 """
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def pairs_per_expert(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 # Choices measured by `experts.tune` on this process's GPU, by (family, element size, E, H, I,
 # top_k, load bucket bound); they take precedence over the table for calls of that shape and
-# bucket. The tuner only picks among the table's configurations, so shipped_builds covers them.
+# bucket. The tuner only picks among the table's configurations, so `builds.shipped_builds` covers them.
 TUNED: dict = {}
 
 
@@ -295,115 +295,3 @@ def backward_configs(capability: int):
             for block_m, cfg in by_block_m.items():
                 yield element_size, block_m, cfg
 
-
-def shipped_builds(capability: int):
-    """Every kernel specialisation the MoE launchers can run on `capability`.
-
-    The GEMMs: each table configuration x input dtype (x activation for gate/up). The
-    backward GEMMs: each entry of the backward table x input dtype (the activation only
-    enters the forward); the weight-gradient kernels depend on the layout's BLOCK_M (a runtime
-    value) only through whether their BLOCK_K divides it, so entries that share their tiling
-    and that divisibility share a build. Routing, dispatch and
-    combine: each layout mode x logits or output dtype; every other argument of those kernels
-    is a runtime value. Index tensors are int32 and routing weights fp32 at every launch (the
-    launchers convert other dtypes first).
-    """
-    from itertools import product
-
-    from ..target_compile import KernelBuild
-    from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
-    from ._kernels.combine import combine_kernel
-    from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_kernel
-    from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
-
-    def build(label, fn, pointers, constexprs, num_warps, num_stages, aligned=(), descriptors=None):
-        """`descriptors` (TMA builds of the backward): the pointer arguments passed as tensor
-        descriptors instead, with their block shapes (constexpr names or numbers)."""
-        signature = {name: "i32" for name in fn.arg_names}
-        signature.update(pointers)
-        if descriptors:
-            dtype = label.split()[1]
-            for name, block in descriptors.items():
-                shape = ",".join(str(constexprs.get(dim, dim)) for dim in block)
-                signature[name] = f"tensordesc<{dtype}[{shape}]>"
-            pointers = {name: kind for name, kind in pointers.items() if name not in descriptors}
-            label += " tma"
-        signature.update({name: "constexpr" for name in constexprs})
-        return KernelBuild(label, fn, signature, constexprs, num_warps, num_stages,
-                           aligned=tuple(pointers) + tuple(aligned))
-
-    layout = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32")
-    for element_size, cfg in experts_configs(capability):
-        for dtype in _TRITON_DTYPES[element_size]:
-            g, d = cfg.gate_up, cfg.down
-            for activation in ACTIVATIONS:
-                yield build(f"moe_gate_up {dtype} {activation} BLOCK_M={cfg.block_m} {g}", gate_up_kernel,
-                            dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", h_ptr=f"*{dtype}", h_grads_ptr=f"*{dtype}",
-                                 **layout),
-                            dict(ACTIVATION=activation, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
-                                 BLOCK_K=g.block_k, GROUP_M=g.group_m),
-                            g.num_warps, g.num_stages, aligned=("H", "I", "stride_xt", "stride_we", "stride_wn"))
-            yield build(f"moe_down {dtype} BLOCK_M={cfg.block_m} {d}", down_kernel,
-                        dict(h_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", y_ptr=f"*{dtype}", weights_ptr="*fp32",
-                             **layout),
-                        dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m),
-                        d.num_warps, d.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
-    # Entries with `tma` build on sm90 with descriptors too (their pointer builds serve the
-    # calls whose tensors TMA cannot address): the operands each kernel reads as dense tiles.
-    descriptors = {"moe_grad_gate_up": dict(w2_ptr=(1, "BLOCK_K", "BLOCK_N")),
-                   "moe_grad_x": dict(grad_gate_up_ptr=("BLOCK_M", "BLOCK_K"), w1_ptr=(1, "BLOCK_K", "BLOCK_N")),
-                   "moe_grad_w1": dict(grad_gate_up_ptr=("BLOCK_K", "BLOCK_M")),
-                   "moe_grad_w2": dict(weighted_h_ptr=("BLOCK_K", "BLOCK_N"))}
-    weight_grads = {}  # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M, tma)
-    for element_size, block_m, cfg in backward_configs(capability):
-        for dtype, tma in product(_TRITON_DTYPES[element_size], (False, True) if cfg.tma and capability == 90
-                                  else (False,)):
-            g, x = cfg.grad_gate_up, cfg.grad_x
-            yield build(f"moe_grad_gate_up {dtype} BLOCK_M={block_m} {g}", grad_gate_up_kernel,
-                        dict(grad_out_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", h_ptr=f"*{dtype}", h_grads_ptr=f"*{dtype}",
-                             weights_ptr="*fp32", grad_gate_up_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}",
-                             row_tokens_ptr="*i32", grad_weights_ptr="*fp32", **layout),
-                        dict(BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, TMA=tma),
-                        g.num_warps, g.num_stages, aligned=("H", "I", "stride_gt", "stride_we", "stride_wn"),
-                        descriptors=tma and descriptors["moe_grad_gate_up"])
-            yield build(f"moe_grad_x {dtype} BLOCK_M={block_m} {x}", grad_x_kernel,
-                        dict(grad_gate_up_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", grad_x_pairs_ptr=f"*{dtype}", **layout),
-                        dict(BLOCK_M=block_m, BLOCK_N=x.block_n, BLOCK_K=x.block_k, GROUP_M=x.group_m, TMA=tma),
-                        x.num_warps, x.num_stages, aligned=("H", "I", "stride_we", "stride_wn"),
-                        descriptors=tma and descriptors["moe_grad_x"])
-            for label, w in (("moe_grad_w1", cfg.grad_w1), ("moe_grad_w2", cfg.grad_w2)):
-                weight_grads[(label, dtype, w, block_m % w.block_k == 0, tma)] = None
-    for label, dtype, w, aligned, tma in weight_grads:
-        constexprs = dict(BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, GROUP_M=w.group_m,
-                          ROWS_ALIGNED=aligned, TMA=tma)
-        if label == "moe_grad_w1":
-            yield build(f"{label} {dtype} {w} rows_aligned={aligned}", grad_w1_kernel,
-                        dict(grad_gate_up_ptr=f"*{dtype}", x_ptr=f"*{dtype}", grad_w1_ptr=f"*{dtype}",
-                             row_tokens_ptr="*i32", expert_blocks_ptr="*i32"),
-                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_xt"),
-                        descriptors=tma and descriptors[label])
-        else:
-            yield build(f"{label} {dtype} {w} rows_aligned={aligned}", grad_w2_kernel,
-                        dict(grad_out_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}", grad_w2_ptr=f"*{dtype}",
-                             row_tokens_ptr="*i32", expert_blocks_ptr="*i32"),
-                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_gt"),
-                        descriptors=tma and descriptors[label])
-    tiles = dict(E_PAD=MAX_EXPERTS, PAIRS=SORT_PAIRS, TILE_B=DISPATCH_ROWS)
-    for dtype in ("fp16", "bf16", "fp32"):
-        for mode in ("none", "count", "full"):
-            yield build(f"moe_route logits={dtype} layout={mode}", route_kernel,
-                        dict(logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32", counts_ptr="*i32", **layout),
-                        dict(K_PAD=MAX_TOP_K, ROWS=DISPATCH_ROWS, LAYOUT=mode, **tiles),
-                        DISPATCH_WARPS, DISPATCH_STAGES)
-    yield build("moe_count", count_pairs_kernel, dict(ids_ptr="*i32", counts_ptr="*i32"),
-                dict(E_PAD=MAX_EXPERTS, COUNT_TILE=COUNT_TILE), DISPATCH_WARPS, DISPATCH_STAGES)
-    for count_here in (False, True):
-        yield build(f"moe_align count_here={count_here}", align_pairs_kernel,
-                    dict(ids_ptr="*i32", counts_ptr="*i32", **layout),
-                    dict(COUNT_TILE=COUNT_TILE, TABLE_ROWS=DISPATCH_ROWS, COUNT_HERE=count_here, **tiles),
-                    DISPATCH_WARPS, DISPATCH_STAGES)
-    for dtype in ("fp16", "bf16", "fp32"):
-        yield build(f"moe_combine {dtype}", combine_kernel,
-                    dict(y_ptr=f"*{dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),
-                    dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,
-                    aligned=("H",))

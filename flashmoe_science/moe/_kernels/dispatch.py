@@ -25,7 +25,7 @@ Ids outside [0, E) are dropped from the layout (their pairs contribute nothing).
 Compile-time constants are only the tile sizes (E_PAD = 256 for every E), the layout mode and
 whether align counts its own pairs. top_k, the scoring,
 the renormalisation and BLOCK_M are runtime arguments (never value-specialised), so the few
-builds `configs.shipped_builds` lists are every variant the launchers can run.
+builds `builds.shipped_builds` lists are every variant the launchers can run.
 """
 import triton
 import triton.language as tl

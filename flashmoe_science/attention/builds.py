@@ -1,0 +1,208 @@
+"""The attention kernels' builds: every specialisation the dispatchers of `interface.py` and
+`hopper.py` can launch, as `KernelBuild`s that `target_compile` compiles for sm80, sm86, sm89
+and sm90 (the CPU test checks each fits its target). The tables they enumerate are in
+`configs.py`.
+
+The options a call can turn on (causal, softcap, variable lengths; sliding windows are runtime
+arguments) are constexprs that change no tile: each configuration compiles plain and with all
+of them on, which bounds the rest. Compiling every subset of the options for every
+configuration and target once found none asking for more shared memory than all of them
+together, so the other combinations are left out of the check to keep it fast.
+"""
+from __future__ import annotations
+
+from itertools import product
+
+from ..kernel_build import KernelBuild
+from .configs import (HOPPER_FORWARD, PREPROCESS_WARPS, BackwardConfig, backward_configs, dkdv_maxnreg,
+                      forward_configs, fused_backward_maxnreg, gluon_forward_configs, gluon_forward_tiles,
+                      gluon_separate_output, preprocess_block_m)
+
+
+def shipped_builds(capability: int):
+    from ._kernels.forward import attention_forward_kernel
+
+    ptr = {2: "*fp16", 4: "*fp32"}
+    # Each config compiles plain, and with every option on (module docstring).
+    variants = ((False, False, False), (True, True, True))
+    for element_size, block_d, cfg in forward_configs(capability):
+        for causal, softcap, varlen in variants:
+            sig = {name: "i32" for name in attention_forward_kernel.arg_names}
+            sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O=ptr[element_size],
+                       LSE="*fp32", CU_SEQLENS_Q="*i32", CU_SEQLENS_K="*i32", SEQUENCE_ORDER="*i32",
+                       scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
+            constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              CAUSAL=causal, SOFTCAP=softcap, VARLEN=varlen, WRITE_LSE=True)
+            sig.update({name: "constexpr" for name in constexprs})
+            options = "".join(f" {name}" for name, on in (("softcap", softcap), ("varlen", varlen)) if on)
+            yield KernelBuild(
+                label=f"attention_forward fp{8 * element_size} D={block_d} causal={causal}{options} {cfg}",
+                fn=attention_forward_kernel, signature=sig, constexprs=constexprs,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                aligned=("Q", "K", "V", "O", "LSE", "stride_qb", "stride_qh", "stride_qm", "stride_kb",
+                         "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob",
+                         "stride_oh", "stride_om"))
+    yield from _hopper_builds(capability)
+    yield from _backward_builds(capability)
+
+
+def _hopper_builds(capability: int):
+    """The Hopper forward's builds (sm90 only), plain and with causal and softcap on."""
+    if capability != 90:
+        return
+    from ._kernels.forward_hopper import attention_forward_hopper_kernel
+
+    for block_d, cfg in HOPPER_FORWARD.items():
+        for causal, softcap in ((False, False), (True, True)):
+            sig = {name: "i32" for name in attention_forward_hopper_kernel.arg_names}
+            for name, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
+                               ("desc_o", cfg.block_m)):
+                sig[name] = f"tensordesc<fp16[1,1,{rows},{block_d}]>"
+            sig.update(LSE="*fp32", scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
+            constexprs = dict(BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+                              SOFTCAP=softcap, WRITE_LSE=True, WARP_SPECIALIZE=False,
+                              EXP_POLY=cfg.exp_poly)
+            sig.update({name: "constexpr" for name in constexprs})
+            yield KernelBuild(label=f"attention_forward_hopper fp16 D={block_d} causal={causal} softcap={softcap} "
+                                    f"{cfg}", fn=attention_forward_hopper_kernel, signature=sig,
+                              constexprs=constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              aligned=("LSE",))
+    yield from _gluon_builds()
+
+
+def _gluon_builds():
+    """The Gluon forward's builds (sm90 only), plain and causal, in both 16-bit types: the shared
+    memory layouts of its descriptors are part of its signature."""
+    from triton.experimental.gluon import language as gl
+
+    from ._kernels.forward_gluon import attention_forward_gluon_kernel
+
+    for block_d, cfg in gluon_forward_configs():
+        rows, consumers = gluon_forward_tiles(cfg)
+        for causal, persistent, (name, dtype) in ((False, True, ("fp16", gl.float16)),
+                                                  (True, True, ("bf16", gl.bfloat16)),
+                                                  (True, False, ("bf16", gl.bfloat16))):
+            sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}
+            for arg, tile_rows in (("desc_q", rows), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
+                                   ("desc_o", rows)):
+                layout = gl.NVMMASharedLayout.get_default_for([1, 1, tile_rows, block_d], dtype)
+                sig[arg] = f"tensordesc<{name}[1,1,{tile_rows},{block_d}],{layout!r}>"
+            sig.update(LSE="*fp32", scale_log2="fp32")
+            constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
+                              CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
+                              SEPARATE_O=gluon_separate_output(cfg, block_d), PERSISTENT=persistent,
+                              EXP_POLY=cfg.exp_poly)
+            sig.update({n: "constexpr" for n in constexprs})
+            yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} "
+                                    f"persistent={persistent} {cfg}",
+                              fn=attention_forward_gluon_kernel, signature=sig, constexprs=constexprs,
+                              num_warps=cfg.num_warps, num_stages=1, aligned=("LSE",))
+
+
+def _backward_builds(capability: int):
+    from ._kernels import backward
+
+    ptr = {2: "*fp16", 4: "*fp32"}
+
+    def build(kernel, label, element_size, block_d, pointers, constexprs, num_warps, num_stages, tiles=None,
+              maxnreg=None):
+        """`tiles` (TMA builds): the tensor arguments that are descriptors, with their tile rows."""
+        sig = {arg: "i32" for arg in kernel.arg_names}
+        sig.update({arg: ptr[element_size] for arg in pointers})
+        if tiles:
+            sig.update({arg: f"tensordesc<fp16[1,1,{rows},{block_d}]>" for arg, rows in tiles.items()})
+            pointers = [a for a in pointers if a not in tiles]
+            label += " tma"
+        sig.update({arg: "*fp32" for arg in ("LSE", "DELTA", "LSE_LOG2") if arg in sig})
+        sig.update({arg: "*i32" for arg in ("CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUENCE_ORDER") if arg in sig})
+        sig.update({arg: "fp32" for arg in ("softmax_scale", "scale_log2", "softcap_scale", "softcap_log2")
+                    if arg in sig})
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, **constexprs)
+        sig.update({arg: "constexpr" for arg in constexprs})
+        aligned = [a for a in kernel.arg_names
+                   if a in pointers or a in ("LSE", "DELTA", "LSE_LOG2") or a.startswith("stride_")]
+        options = "".join(f" {name}" for name in ("softcap", "varlen") if constexprs.get(name.upper()))
+        return KernelBuild(label=f"{label} fp{8 * element_size} D={block_d}{options}", fn=kernel, signature=sig,
+                           constexprs=constexprs, num_warps=num_warps, num_stages=num_stages,
+                           aligned=tuple(aligned), maxnreg=maxnreg)
+
+    for element_size, block_d, cfg in backward_configs(capability):
+        if cfg.gluon:
+            yield from _gluon_backward_builds(block_d, cfg)
+            continue
+        rows = preprocess_block_m(block_d)
+        yield build(backward.attention_backward_preprocess_kernel,
+                    f"attention_backward_preprocess BLOCK_M={rows} warps={PREPROCESS_WARPS}", element_size, block_d,
+                    ("O", "DO"), dict(BLOCK_M=rows), PREPROCESS_WARPS, 1)
+        # Plain, and with both options on (module docstring): softcap adds a tanh per score and a
+        # factor on dS, variable lengths a few scalar loads. The dQ kernel computes delta (its
+        # other mode, loading it, does less). The TMA builds too where the entry asks for them
+        # on sm90 (their pointer builds serve the calls TMA cannot address).
+        all_options = (dict(SOFTCAP=False, VARLEN=False), dict(SOFTCAP=True, VARLEN=True))
+        loads = (False, True) if cfg.tma and capability == 90 and element_size == 2 else (False,)
+        for tma, options in product(loads, all_options):
+            def stored(**tiles):  # packed batches store gradients through pointers
+                return {} if options["VARLEN"] else tiles
+
+            dkdv, dq = cfg.dkdv, cfg.dq
+            yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {dkdv}", element_size,
+                        block_d, ("Q", "K", "V", "DO", "DK", "DV"),
+                        dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, DQ_ACC=None,
+                             DQ_MODE=backward.DQ_MODES["kernel"], TMA=tma, **options),
+                        dkdv.num_warps, dkdv.num_stages,
+                        tiles=tma and dict(Q=dkdv.block_m, DO=dkdv.block_m, K=dkdv.block_n, V=dkdv.block_n,
+                                           **stored(DK=dkdv.block_n, DV=dkdv.block_n)),
+                        maxnreg=dkdv_maxnreg(dkdv, tma, options["SOFTCAP"], options["VARLEN"]))
+            yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {dq}", element_size,
+                        block_d, ("Q", "K", "V", "DO", "O", "DQ"),
+                        dict(BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, TMA=tma, DELTA_HERE=True, **options),
+                        dq.num_warps, dq.num_stages,
+                        tiles=tma and dict(Q=dq.block_m, DO=dq.block_m, K=dq.block_n, V=dq.block_n,
+                                           **stored(DQ=dq.block_m)))
+
+
+def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
+    """The Gluon backward kernels' builds (sm90) for one configuration, fp16 and bf16: the shared
+    memory layouts of the descriptors are part of the signature. A fused configuration
+    (`BackwardConfig.fused`) builds the fused kernel (`_kernels/backward_fused.py`) alone, with
+    its fp32 dQ reduce descriptor and launch register bound."""
+    from triton.experimental.gluon import language as gl
+
+    from ._kernels.backward_fused import attention_backward_fused_kernel
+    from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
+
+    def descriptor(dtype, rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], dtype)
+        name = {gl.float16: "fp16", gl.bfloat16: "bf16", gl.float32: "fp32"}[dtype]
+        return f"tensordesc<{name}[1,1,{rows},{block_d}],{layout!r}>"
+
+    fused = cfg.fused
+    for name, dtype in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
+        dkdv, dq = cfg.dkdv, cfg.dq
+        kernel = attention_backward_fused_kernel if fused else attention_backward_dkdv_gluon_kernel
+        sig = {n: "i32" for n in kernel.arg_names}
+        tiles = dict(desc_q=dkdv.block_m, desc_do=dkdv.block_m, desc_k=dkdv.block_n, desc_v=dkdv.block_n,
+                     desc_dk=dkdv.block_n, desc_dv=dkdv.block_n)
+        sig.update({arg: descriptor(dtype, rows) for arg, rows in tiles.items()})
+        if fused:
+            sig["desc_dq"] = descriptor(gl.float32, dkdv.block_m)
+        sig.update(LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
+        constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, NUM_STAGES=dkdv.num_stages)
+        sig.update({n: "constexpr" for n in constexprs})
+        label = f"attention_backward_{'fused' if fused else 'dkdv_gluon'} {name} D={block_d} {dkdv}"
+        yield KernelBuild(label=label, fn=kernel, signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps,
+                          num_stages=1, aligned=("LSE", "DELTA"),
+                          maxnreg=fused_backward_maxnreg(block_d, dkdv) if fused else None)
+        if fused:
+            continue
+        kernel = attention_backward_dq_gluon_kernel
+        sig = {n: "i32" for n in kernel.arg_names}
+        tiles = dict(desc_q=dq.block_m, desc_do=dq.block_m, desc_dq=dq.block_m, desc_k=dq.block_n, desc_v=dq.block_n)
+        sig.update({arg: descriptor(dtype, rows) for arg, rows in tiles.items()})
+        sig.update(O=f"*{name}", LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_D=block_d,
+                          NUM_STAGES=dq.num_stages, DELTA_HERE=True)
+        sig.update({n: "constexpr" for n in constexprs})
+        yield KernelBuild(label=f"attention_backward_dq_gluon {name} D={block_d} {dq}", fn=kernel, signature=sig,
+                          constexprs=constexprs, num_warps=dq.num_warps, num_stages=1,
+                          aligned=("O", "LSE", "DELTA"))
