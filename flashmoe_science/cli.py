@@ -88,7 +88,9 @@ def _configs(args) -> int:
     rows = json.loads(proc.stdout)
     for r in rows:
         status = "fits" if r["fits"] else ("ERROR " + r["error"] if r["error"] else "DOES NOT FIT")
-        print(f"{r['target']:>5}  {str(r['shared']):>7} / {r['limit']:>6} B  {status:<5}  {r['label']}")
+        registers = f"{r.get('registers')} regs, {r.get('spill_stores')} B spilled" if r["fits"] else ""
+        print(f"{r['target']:>5}  {str(r['shared']):>7} / {r['limit']:>6} B  {status:<5}  {registers:<24}  "
+              f"{r['label']}")
     return proc.returncode
 
 
@@ -120,7 +122,8 @@ def build_parser():
     report.add_argument("--check", action="store_true", help="fail if the README is out of date")
     report.set_defaults(func=_report)
 
-    configs = sub.add_parser("configs", help="compile every shipped kernel config for GPU targets, show shared memory")
+    configs = sub.add_parser("configs", help="compile every shipped kernel config for GPU targets: shared memory, "
+                                             "registers, spills")
     configs.add_argument("targets", nargs="*", help="e.g. sm80 sm89 (default: all supported)")
     configs.set_defaults(func=_configs)
     return parser, op_parsers

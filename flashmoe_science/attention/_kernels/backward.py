@@ -191,7 +191,8 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, DQ_ACC, h, i, first_m,
     else:
         lse_log2 = tl.load(LSE_LOG2 + row_offsets)
         delta = tl.load(DELTA + row_offsets)
-    p_t, t = _scores_to_probabilities(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), lse_log2, scale_log2, softcap_scale, softcap_log2,
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    p_t, t = _scores_to_probabilities(s_t, lse_log2, scale_log2, softcap_scale, softcap_log2,
                                       SOFTCAP, True)
     if MASKED:
         rel = keys[:, None] - rows[None, :]
@@ -352,7 +353,8 @@ def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, 
         start64 = tl.cast(start_n, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
         k = load_tile(k_ptrs + start64 * stride_kn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         v = load_tile(v_ptrs + start64 * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    p, t = _scores_to_probabilities(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), lse_log2, scale_log2, softcap_scale, softcap_log2,
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    p, t = _scores_to_probabilities(s, lse_log2, scale_log2, softcap_scale, softcap_log2,
                                     SOFTCAP, False)
     if MASKED:
         rel = keys[None, :] - rows[:, None]

@@ -3,7 +3,8 @@
 Both kernels map one program to one (BLOCK_M rows of the layout) x (BLOCK_N output columns)
 tile. Every BLOCK_M block belongs to a single expert (`block_expert`), so a tile is an ordinary
 dense GEMM tile against that expert's weights; blocks past the last expert (-1) exit at once
-(gate_up_kernel writes zeros there first when it stores for a backward), and the rows of a block past `block_rows[b]` are padding: masked on load and store.
+(gate_up_kernel writes zeros there first when it stores for a backward), and the rows of a
+block past `block_rows[b]` are padding: masked on load and store.
 
 gate_up_kernel: h[row] = act(x[t] @ w1[e, :I].T) * (x[t] @ w1[e, I:].T) for the pair p =
 sorted_pairs[row], t = p // top_k. The token rows are gathered straight from x inside the
