@@ -246,5 +246,7 @@ def test_moe_experts_match_reference_on_any_routing(case):
         # d weights[t, j] = grad_out[t] . y[t, j]: H terms of the size of an expert's output y.
         y_size = _rms(fused_experts_torch(*xs64[:3], torch.ones_like(xs64[3]), kept)) / math.sqrt(k)
         terms = (0.0, 0.0, 0.0, math.sqrt(c["H"]) * _rms(grad_out) * y_size)
-        for name, a, b, r, leaf, t in zip(("dx", "dw1", "dw2", "dweights"), ours, pytorch, refs, leaves, terms):
-            assert_within_pytorch(name, a, b, r, leaf.dtype, t)
+        # The resolution is the compute dtype's for all four: d weights sums the expert outputs,
+        # which both sides hold in that dtype.
+        for name, a, b, r, t in zip(("dx", "dw1", "dw2", "dweights"), ours, pytorch, refs, terms):
+            assert_within_pytorch(name, a, b, r, c["dtype"], t)
