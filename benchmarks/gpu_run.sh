@@ -30,8 +30,10 @@ for stage in "${stages[@]}"; do
         | tee "$RESULTS/nvidia_smi.csv"
       python3 -m flashmoe_science doctor 2>&1 | tee "$RESULTS/doctor.txt" || status=1 ;;
     tests)
+      # The whole log as it goes (a run stopped at its time limit still leaves it), its end on screen.
       python3 -m pytest -q -p no:cacheprovider -m "not targets" \
-        --junitxml="$RESULTS/gpu_tests.xml" $TESTS 2>&1 | tail -n 40 | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
+        --junitxml="$RESULTS/gpu_tests.xml" $TESTS 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -n 40 \
+        | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
     sweep) bench attention --sweep --seqlens 4096 --no-plot ;;
     hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
     gluon-sweep)  # EXP_POLYS: exp_poly values to time each candidate with; GLUON_TILES: only these Gluon tiles
