@@ -51,6 +51,12 @@ def _row_strides(s: tuple, packed: bool) -> tuple:
     return (0, s[1], s[0]) if packed else tuple(s[:3])
 
 
+def _token_totals(q, k, packed: bool) -> tuple[int, int]:
+    """(total_q, total_k) of a packed batch, the bounds the kernels clamp cu_seqlens to
+    (`forward.sequence_bounds`); (0, 0), unused, for a dense one."""
+    return (q.shape[0], k.shape[0]) if packed else (0, 0)
+
+
 def _kernel_window(causal: bool, window_size) -> tuple[int, int]:
     """(window_left, window_right) as the kernels take them: -1 unbounded, right = 0 when causal."""
     left, right = (min(w, _WIDEST_WINDOW) for w in window_size)
@@ -87,8 +93,8 @@ class _ForwardPlan:
         lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
         # The kernel arguments after the tensors' strides; the strides join them at the first
         # launch, once the output (whose layout follows q's) exists.
-        totals = (q.shape[0], k.shape[0]) if packed else (0, 0)  # the token counts cu_seqlens are clamped to
-        self.kernel_options = (*lse_strides, heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k, *totals, num_m_blocks,
+        self.kernel_options = (*lse_strides, heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k,
+                               *_token_totals(q, k, packed), num_m_blocks,
                                *_kernel_window(causal, window_size), head_dim, head_dim_block(head_dim),
                                cfg.block_m, cfg.block_n, causal, softcap > 0, packed, write_lse)
         self.launch_tail = None
@@ -318,7 +324,7 @@ class _BackwardPlan:
         lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
         window = _kernel_window(causal, window_size)
         group = heads_q // heads_kv
-        totals = (q.shape[0], k.shape[0]) if packed else (0, 0)  # the token counts cu_seqlens are clamped to
+        totals = _token_totals(q, k, packed)
         self.dkdv_options = (*lse_strides, heads_kv, group, seqlen_q, seqlen_k, *totals, num_n_blocks, *window,
                              head_dim, block_d, cfg.dkdv.block_m, cfg.dkdv.block_n, softcap > 0, packed)
         self.dq_options = (*lse_strides, heads_q, group, seqlen_q, seqlen_k, *totals, num_m_blocks, *window, head_dim,

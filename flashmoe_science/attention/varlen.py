@@ -122,21 +122,20 @@ _POISON_BLOCK = 1024
 _POISON_PROGRAMS = 64
 
 
-def poison_if_malformed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, outputs) -> None:
+def poison_if_malformed(key, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, outputs) -> None:
     """Fills `outputs` (dense tensors, or None) with NaN, on the device and without a host read,
-    if cu_seqlens are malformed as the kernels read them now (`_kernels/lengths.py`)."""
+    if cu_seqlens are malformed as the kernels read them now (`_kernels/lengths.py`). `key` is
+    the call's plan key (None: Triton's ordinary launch path): it fixes everything this kernel
+    specialises on, since the outputs are allocations of the call's own, of shapes and dtypes the
+    key determines."""
     flat = [(t, t.numel()) for t in outputs if t is not None and t.numel()]
     if not flat:
         return
     flat += [flat[0][:1] + (0,)] * (3 - len(flat))
     programs = min(_POISON_PROGRAMS, -(-max(n for _, n in flat) // _POISON_BLOCK))
-    ints = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, *(n for _, n in flat))
-    # What Triton specialises on: pointer dtypes and alignment; ints equal to 1, multiples of 16,
-    # past 32 bits (cu_seqlens are allocated by the caller: their alignment joins the key too).
-    key = (tuple((t.dtype, t.data_ptr() % 16) for t in (cu_seqlens_q, cu_seqlens_k, *(t for t, _ in flat))),
-           tuple((n == 1, n % 16 == 0, n >= 2**31) for n in ints))
+    ints = (cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     _POISON.launch(key, (programs, 1, 1),
-                   (cu_seqlens_q, cu_seqlens_k, *ints[:5], *(x for pair in flat for x in pair), _POISON_BLOCK_B,
+                   (cu_seqlens_q, cu_seqlens_k, *ints, *(x for pair in flat for x in pair), _POISON_BLOCK_B,
                     _POISON_BLOCK),
                    num_warps=4, num_stages=1, device_index=q.device.index if q.is_cuda else None)
 
@@ -224,7 +223,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     out, lse = run_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
                            longest_first(cu_seqlens_q, cu_seqlens_k))
-    poison_if_malformed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, (out, lse))
+    poison_if_malformed(key, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, (out, lse))
     return out, lse
 
 
@@ -252,7 +251,7 @@ def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     grads = run_backward(plan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                          grad_lse, longest_first(cu_seqlens_q, cu_seqlens_k))
-    poison_if_malformed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, grads)
+    poison_if_malformed(key, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, grads)
     return grads
 
 
