@@ -3,7 +3,7 @@
 # written under $OUT and packed into one archive (the device tool returns at most 8 files).
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
-#   stages: env tests sanitize sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
+#   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window attention-calls moe moe-fwd+bwd moe-train moe-sweep
 #           moe-bwd-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
@@ -19,6 +19,7 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env tests attention-fwd attention-bwd attention-varlen-window attention-calls moe moe-fwd+bwd
                                    moe-train)
 TESTS=${TESTS:-tests}            # which tests the tests stage runs
+PYTEST_ARGS=${PYTEST_ARGS:--n 12 --durations=25}  # xdist workers compile kernels in parallel (the image has pytest-xdist)
 BENCH_ARGS=${BENCH_ARGS:-}       # extra options for every bench stage, e.g. "--repeats 3"
 bench() { python3 -m flashmoe_science bench "$@" --out "$RESULTS" $BENCH_ARGS 2>&1 | tee -a "$RESULTS/bench.log"; }
 status=0
@@ -32,7 +33,7 @@ for stage in "${stages[@]}"; do
     tests)
       # The whole log as it goes (a run stopped at its time limit still leaves it), its end on screen.
       python3 -m pytest -q -p no:cacheprovider -m "not targets" \
-        --junitxml="$RESULTS/gpu_tests.xml" $TESTS 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -n 40 \
+        --junitxml="$RESULTS/gpu_tests.xml" $PYTEST_ARGS $TESTS 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -n 40 \
         | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
     sweep) bench attention --sweep --seqlens 4096 --no-plot ;;
     hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
@@ -54,6 +55,9 @@ for stage in "${stages[@]}"; do
           python3 benchmarks/sanitize.py > "$RESULTS/sanitize_$tool.txt" 2>&1
         echo "$tool exit $?: $(tail -n 1 "$RESULTS/sanitize_$tool.txt")" | tee -a "$RESULTS/sanitize.txt"
       done ;;
+    consan)  # Triton's concurrency sanitizer over the Hopper attention kernels (benchmarks/sanitize.py --consan)
+      python3 benchmarks/sanitize.py --consan > "$RESULTS/sanitize_consan.txt" 2>&1
+      echo "consan exit $?: $(tail -n 1 "$RESULTS/sanitize_consan.txt")" | tee -a "$RESULTS/sanitize.txt" ;;
     attention-small) bench attention --mode fwd --sections overhead,small --no-plot ;;
     attention-fwd) bench attention --mode fwd ;;
     attention-bwd) bench attention --mode bwd ;;

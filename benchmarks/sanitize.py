@@ -10,8 +10,14 @@ grouped GEMMs, combine and backward kernels. Shapes are the smallest that still 
 path (the Hopper kernels start at `attention.configs.HOPPER_MIN_FLOPS`). Run with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor has an allocation of its own and an
 access past its end is one memcheck sees.
+
+`--consan` runs the Hopper attention forwards (with `--backward`, their backwards too) under Triton's own concurrency sanitizer instead
+(TRITON_INSTRUMENTATION_MODE=consan: every shared-memory access, TMA copy, wgmma and mbarrier of
+the Gluon and TMA kernels checked for a missing wait, a device assert on any), which understands
+the asynchronous copies and barriers that compute-sanitizer's racecheck and initcheck do not.
 """
 import math
+import sys
 
 import torch
 
@@ -33,14 +39,46 @@ def hopper_length(B, H, D) -> int:
     return -(-S // 128) * 128
 
 
-def attention(B, Hq, Hkv, S, D, dtype, *, causal=False, window=(-1, -1), softcap=0.0, Sk=None):
+def attention(B, Hq, Hkv, S, D, dtype, *, causal=False, window=(-1, -1), softcap=0.0, Sk=None, backward=True):
     clear_records()
     q = torch.randn(B, Hq, S, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, Hkv, Sk or S, D, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(B, Hkv, Sk or S, D, device="cuda", dtype=dtype, requires_grad=True)
     out = flash_attention_science(q, k, v, causal=causal, window_size=window, softcap=softcap)
-    out.backward(torch.randn_like(out))
+    if backward:
+        out.backward(torch.randn_like(out))
     return [last_launch(op).kernel for op in _ATTENTION_OPS if last_launch(op) is not None]
+
+
+def hopper_attention(backward: bool = True) -> list[str]:
+    ran = []
+    for D in (64, 128, 256):  # the Hopper forward and backward (TMA and Gluon) kernels
+        S = hopper_length(2, 8, D)
+        ran += attention(2, 8, 2, S, D, torch.bfloat16, causal=True, backward=backward)
+        ran += attention(2, 8, 8, S, D, torch.bfloat16, backward=backward)
+    ran += attention(2, 8, 8, hopper_length(2, 8, 128), 128, torch.bfloat16, softcap=30.0,  # the Triton TMA forward
+                     backward=backward)
+    return ran
+
+
+def consan():
+    from contextvars import ContextVar
+
+    from triton import knobs
+    from triton.runtime import _allocation
+
+    def scratch(size: int, alignment: int, stream):
+        return torch.empty(size, device="cuda", dtype=torch.int8)
+
+    # The sanitizer's state lives in scratch memory from triton's allocator, a context variable that
+    # triton.set_allocator sets for this thread alone: the backward runs on autograd's threads.
+    _allocation._allocator = ContextVar("_allocator", default=scratch)
+    _allocation.set_profile_allocator(scratch)
+    knobs.compilation.instrumentation_mode = "consan"
+    torch.manual_seed(0)
+    ran = hopper_attention(backward="--backward" in sys.argv)
+    torch.cuda.synchronize()
+    print("kernels run under consan:", ", ".join(sorted(set(ran))))
 
 
 def main():
@@ -50,11 +88,7 @@ def main():
         ran += attention(1, 4, 2, 96, 64, dtype, causal=True)
         ran += attention(1, 2, 1, 80, 40, dtype, window=(17, 3), softcap=20.0)
     ran += attention(1, 2, 2, 40, 128, torch.bfloat16, Sk=24, causal=True)  # rows that see no key
-    for D in (64, 128, 256):  # the Hopper forward and backward (TMA and Gluon) kernels
-        S = hopper_length(2, 8, D)
-        ran += attention(2, 8, 2, S, D, torch.bfloat16, causal=True)
-        ran += attention(2, 8, 8, S, D, torch.bfloat16)
-    ran += attention(2, 8, 8, hopper_length(2, 8, 128), 128, torch.bfloat16, softcap=30.0)  # the Triton TMA forward
+    ran += hopper_attention()
     lengths = [5, 0, 33, 1, 17]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -83,4 +117,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    consan() if "--consan" in sys.argv else main()

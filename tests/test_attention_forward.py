@@ -308,7 +308,7 @@ def test_default_scale_is_inverse_sqrt_head_dim(device):
                                             (80, True, None), (64, False, None), (64, True, None), (48, True, None),
                                             (128, True, -0.09), (64, False, -0.2), (64, True, 0.0),
                                             (128, True, 0.0)])
-def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
+def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale, poisoned_allocations):
     """Large 16-bit calls on sm90 take the TMA kernels: the Gluon kernel where `GLUON_FORWARD` says
     (every padded head dim 128 and 256 call here, 64 unmasked), the Triton one otherwise (64 causal
     below 2048 keys). Head dims below the tile (80 in a 128 tile, 48 in 64) rely on the
@@ -348,10 +348,10 @@ def test_gpu_hopper_path_runs_and_matches_reference(D, causal, scale):
     (64, 16, 4, 4096, 4096, True, (-1, -1)),    # two consumers, causal (the Triton kernel below 2048 keys)
     (64, 16, 2, 2600, 2600, True, (-1, -1)),    # the same from 2048 keys, the last tile partly past the end
 ])
-def test_gpu_gluon_forward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window, dtype):
+def test_gpu_gluon_forward_matches_reference(D, Hq, Hkv, Sq, Sk, causal, window, dtype, poisoned_allocations):
     """The Gluon kernel (sm90; every shape above the FLOPs the Hopper path starts at): outputs and
-    lse against float64, rows that see no key zero with lse -inf, and a second call with new data
-    on the cached launch."""
+    lse against float64 (allocations NaN-poisoned, so every element its TMA stores miss shows),
+    rows that see no key zero with lse -inf, and a second call with new data on the cached launch."""
     from flashmoe_science.launch import clear_records, last_launch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm90")
