@@ -31,23 +31,23 @@ for stage in "${stages[@]}"; do
         | tee "$RESULTS/nvidia_smi.csv"
       python3 -m flashmoe_science doctor 2>&1 | tee "$RESULTS/doctor.txt" || status=1 ;;
     tests)
-      # The whole log as it goes (a run stopped at its time limit still leaves it), its end on screen.
+      # The whole log as it goes (a run stopped at its time limit still leaves it), its end on
+      # screen; not results to commit.
       python3 -m pytest -q -p no:cacheprovider -m "not targets" \
         --junitxml="$RESULTS/gpu_tests.xml" $PYTEST_ARGS $TESTS 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -n 40 \
         | tee "$RESULTS/gpu_tests.txt" || status=1 ;;
     sweep) bench attention --sweep --seqlens 4096 --no-plot ;;
     hopper-sweep) bench attention --sweep-hopper --seqlens 4096,16384 --no-plot ;;
-    gluon-sweep)  # EXP_POLYS: exp_poly values to time each candidate with; GLUON_TILES: only these Gluon tiles
+    gluon-sweep)  # GLUON_TILES: only these Gluon tiles
       bench attention --sweep-hopper --sweep-gluon --head-dims "${HEAD_DIMS:-64,128,256}" \
-        --seqlens "${SEQLENS:-2048,4096,16384}" --exp-polys "${EXP_POLYS:-0}" \
-        ${GLUON_TILES:+--gluon-tiles "$GLUON_TILES"} --no-plot ;;
+        --seqlens "${SEQLENS:-2048,4096,16384}" ${GLUON_TILES:+--gluon-tiles "$GLUON_TILES"} --no-plot ;;
     backward-sweep)
-      python3 -m flashmoe_science.bench.backward_sweep --head-dims "${HEAD_DIMS:-128}" --seqlens 4096 \
-        ${DQ_PATHS:+--dq-paths "$DQ_PATHS"} ${GLUON:+--gluon} --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
+      python3 -m flashmoe_science.bench.sweeps.attention_backward --head-dims "${HEAD_DIMS:-128}" --seqlens 4096 \
+        ${GLUON:+--gluon} --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
     window-sweep)  # forward (generic and Hopper) and backward candidates on causal windows of $WINDOW at S = 16384
       bench attention --sweep --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" --no-plot
       bench attention --sweep-hopper --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" --no-plot
-      python3 -m flashmoe_science.bench.backward_sweep --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" \
+      python3 -m flashmoe_science.bench.sweeps.attention_backward --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" \
         --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
     sanitize)  # compute-sanitizer's four tools over every kernel path at small shapes (benchmarks/sanitize.py)
       for tool in memcheck racecheck synccheck initcheck; do

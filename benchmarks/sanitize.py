@@ -11,10 +11,11 @@ path (the Hopper kernels start at `attention.configs.HOPPER_MIN_FLOPS`). Run wit
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor has an allocation of its own and an
 access past its end is one memcheck sees.
 
-`--consan` runs the Hopper attention forwards (with `--backward`, their backwards too) under Triton's own concurrency sanitizer instead
-(TRITON_INSTRUMENTATION_MODE=consan: every shared-memory access, TMA copy, wgmma and mbarrier of
-the Gluon and TMA kernels checked for a missing wait, a device assert on any), which understands
-the asynchronous copies and barriers that compute-sanitizer's racecheck and initcheck do not.
+`--consan` runs the Hopper attention forwards (with `--backward`, their backwards too) under
+Triton's own concurrency sanitizer instead (TRITON_INSTRUMENTATION_MODE=consan: every
+shared-memory access, TMA copy, wgmma and mbarrier of the Gluon and TMA kernels checked for a
+missing wait, a device assert on any), meant to understand the asynchronous copies and barriers
+that compute-sanitizer's racecheck and initcheck do not.
 """
 import math
 import sys

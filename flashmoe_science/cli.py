@@ -12,15 +12,18 @@ import sys
 BENCHMARKS = ("attention", "moe")
 
 
-def _use_interpreter_without_gpu() -> bool:
+def _use_interpreter_without_gpu(announce: bool) -> bool:
+    """Without a GPU, run kernels through Triton's interpreter; `announce` says so on stderr (the
+    doctor says it in its own report)."""
     import torch
 
     if torch.cuda.is_available():
         return False
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         os.environ["TRITON_INTERPRET"] = "1"
-    print("No CUDA GPU found: kernels run through Triton's CPU interpreter (TRITON_INTERPRET=1) at small "
-          "sizes. Correctness is real; timings are CPU timings, not GPU figures.", file=sys.stderr)
+    if announce:
+        print("No CUDA GPU found: kernels run through Triton's CPU interpreter (TRITON_INTERPRET=1) at small "
+              "sizes. Correctness is real; timings are CPU timings, not GPU figures.", file=sys.stderr)
     return True
 
 
@@ -38,16 +41,15 @@ def _bench(args) -> int:
     args.checkpoint = lambda rows: write_results(args.out, partial, rows, partial_meta)
     result = module.run(args)
     meta = {**environment(), **result.get("meta", {}), "command": command}
-    json_path, csv_path = write_results(args.out, result["name"], result["rows"], meta)
-    for suffix in (".json", ".csv"):
-        (json_path.parent / (partial + suffix)).unlink(missing_ok=True)
-    written = [json_path, csv_path]
+    json_path = write_results(args.out, result["name"], result["rows"], meta)
+    (json_path.parent / f"{partial}.json").unlink(missing_ok=True)
+    written = [json_path]
     if not args.no_plot and hasattr(module, "plot"):
         png = json_path.with_suffix(".png")
         try:
             module.plot(result["rows"], png)
         except ImportError as exc:
-            print(f"plot skipped: {exc}", file=sys.stderr)
+            print(f"plot skipped ({exc}): pip install 'flashmoe-science[bench]' for plots", file=sys.stderr)
         else:
             if png.exists():
                 written.append(png)
@@ -66,11 +68,15 @@ def _doctor(args) -> int:
 def _report(args) -> int:
     from .bench.report import update_readme
 
-    changed = update_readme(args.results, args.readme, check=args.check)
-    if args.check and changed:
-        print(f"{args.readme} is out of date with {args.results}: run `flashmoe-science report`", file=sys.stderr)
+    stale = []
+    for document in args.documents:
+        changed = update_readme(args.results, document, check=args.check)
+        stale += [document] if changed else []
+        if not args.check:
+            print(f"{document} {'updated' if changed else 'already up to date'}")
+    if args.check and stale:
+        print(f"{', '.join(stale)} out of date with {args.results}: run `flashmoe-science report`", file=sys.stderr)
         return 1
-    print(f"{args.readme} {'updated' if changed else 'already up to date'}")
     return 0
 
 
@@ -104,7 +110,7 @@ def build_parser():
     doctor.add_argument("--quick", action="store_true", help="fewer shapes")
     doctor.set_defaults(func=_doctor)
 
-    bench = sub.add_parser("bench", help="benchmark against PyTorch, writing JSON, CSV and a plot")
+    bench = sub.add_parser("bench", help="benchmark against PyTorch, writing JSON and a plot")
     bench_sub = bench.add_subparsers(dest="op", required=True)
     op_parsers = {}
     for op in BENCHMARKS:
@@ -116,9 +122,9 @@ def build_parser():
         p.add_argument("--quick", action="store_true", help="a small subset")
         p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
         p.set_defaults(func=_bench)
-    report = sub.add_parser("report", help="regenerate the README's tables from results files")
+    report = sub.add_parser("report", help="regenerate the benchmark tables of the README and docs from results files")
     report.add_argument("--results", default="benchmarks/results")
-    report.add_argument("--readme", default="README.md")
+    report.add_argument("--documents", nargs="+", default=["README.md", "docs/benchmarks.md"])
     report.add_argument("--check", action="store_true", help="fail if the README is out of date")
     report.set_defaults(func=_report)
 
@@ -132,7 +138,7 @@ def build_parser():
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["doctor"], ["bench"]):
-        _use_interpreter_without_gpu()
+        _use_interpreter_without_gpu(announce=argv[:1] == ["bench"])
     parser, op_parsers = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
         # Imported only now, after the interpreter decision, since importing defines kernels.

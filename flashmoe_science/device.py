@@ -50,6 +50,11 @@ class DeviceInfo:
             return 80
         return 89
 
+    @property
+    def hopper(self) -> bool:
+        """An sm90 GPU: the tensor memory accelerator (TMA), wgmma and the Gluon kernels."""
+        return self.capability // 10 == 9
+
 
 # What the interpreter pretends to be: configurations are picked as for an A100, the most
 # conservative generation with large shared memory; sizes do not matter on the CPU.

@@ -79,7 +79,8 @@ def _attention_cases(gpu: bool, quick: bool):
 def _check_attention(gpu: bool, quick: bool) -> bool:
     from .attention import attention_reference, flash_attention_science
     from .attention.reference import causal_mask
-    from .bench.common import rel_error, time_gpu
+    from .bench.common import rel_error
+    from .bench.timing import time_gpu
 
     device = "cuda" if gpu else "cpu"
     ok = True
@@ -115,11 +116,13 @@ def _check_attention(gpu: bool, quick: bool) -> bool:
 
 def _check_attention_backward(gpu: bool, quick: bool) -> bool:
     """The backward of the first forward cases: which kernels ran (on sm90, the Gluon kernels or
-    whether the Triton kernels' tiles moved through tensor descriptors, constexpr TMA), the worst of the dq, dk, dv errors against
-    float64 next to PyTorch's own, and GPU time next to SDPA's backward."""
+    whether the Triton kernels' tiles moved through tensor descriptors, constexpr TMA), the worst of
+    the dq, dk, dv errors against float64 next to PyTorch's own, and GPU time next to SDPA's
+    backward."""
     from .attention import attention_reference, flash_attention_science
     from .attention.reference import causal_mask
-    from .bench.common import rel_error, time_gpu
+    from .bench.common import rel_error
+    from .bench.timing import time_gpu
 
     device = "cuda" if gpu else "cpu"
     ok = True
@@ -174,7 +177,8 @@ def _moe_cases(gpu: bool, quick: bool):
 
 
 def _check_moe(gpu: bool, quick: bool) -> bool:
-    from .bench.common import rel_error, time_gpu
+    from .bench.common import rel_error
+    from .bench.timing import time_gpu
     from .moe import fused_moe, moe_route
     from .moe.experts import describe
     from .moe.reference import fused_experts_torch, fused_moe_torch

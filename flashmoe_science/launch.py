@@ -30,6 +30,19 @@ _MAX_ENTRIES = 4096
 _INTERPRETED = interpreter_active()
 
 
+class PlanCache(dict):
+    """Plans (what a call's shapes, strides, dtypes and options decide) under their keys. Emptied
+    when full, so a program that keeps changing shapes cannot grow it without bound."""
+
+    MAX_ENTRIES = 4096
+
+    def remember(self, key, plan):
+        if len(self) >= self.MAX_ENTRIES:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
 def _current_stream(device: int) -> int:
     return driver.active.get_current_stream(device)
 

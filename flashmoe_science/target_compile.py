@@ -1,10 +1,11 @@
 """Compile shipped kernel configurations for GPU targets we may not have, and check they fit.
 
-Triton compiles for any CUDA target without a GPU. Each operation's configuration module
-lists the builds its dispatcher can pick (`shipped_builds(capability)`); this module compiles
-every one for sm80, sm86, sm89 and sm90 and compares the shared memory the compiled kernel
-asks for with the target's per-block limit. The earlier CUDA attempt at this library shipped a
-tile needing 160 KB on parts that allow 99 KB: this check is what stops that.
+Triton compiles for any CUDA target without a GPU. Each operation's builds module
+(`attention/builds.py`, `moe/builds.py`) lists the builds its dispatcher can pick
+(`shipped_builds(capability)`); this module compiles every one for sm80, sm86, sm89 and sm90 and
+compares the shared memory the compiled kernel asks for with the target's per-block limit (a tile
+needing 160 KB on a part that allows 99 KB fails at launch there), and records each build's
+registers and spills.
 
 Run as `python -m flashmoe_science.target_compile` (prints JSON). It must run without
 TRITON_INTERPRET, because the interpreter replaces kernels with Python functions.

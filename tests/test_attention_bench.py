@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
-from flashmoe_science.bench import attention, common, report
-from flashmoe_science.bench.common import attention_flops, attention_pairs
+from flashmoe_science.bench import attention, report, timing
+from flashmoe_science.bench.sweeps import attention_forward as attention_sweeps
+from flashmoe_science.flops import attention_flops, attention_pairs
 
 
 def parse(*argv):
@@ -89,12 +90,12 @@ def test_packed_layouts_hold_the_measured_sequence_and_flex_documents():
 
 
 def test_sweep_cases_plain_and_causal_or_one_sliding_window():
-    assert attention._sweep_cases(parse("--sweep", "--head-dims", "64", "--seqlens", "128")) == [
+    assert attention_sweeps._sweep_cases(parse("--sweep", "--head-dims", "64", "--seqlens", "128")) == [
         (64, 128, False, (-1, -1)), (64, 128, True, (-1, -1))]
-    windowed = attention._sweep_cases(parse("--sweep", "--head-dims", "64,128", "--seqlens", "16384",
+    windowed = attention_sweeps._sweep_cases(parse("--sweep", "--head-dims", "64,128", "--seqlens", "16384",
                                             "--window", "1024"))
     assert windowed == [(64, 16384, True, (1024, 0)), (128, 16384, True, (1024, 0))]
-    assert attention._sweep_row("sweep", 64, 16384, True, (1024, 0))["window"] == 1024
+    assert attention_sweeps._sweep_row("sweep", 64, 16384, True, (1024, 0))["window"] == 1024
 
 
 def test_throughput_table_gives_shares_of_the_runs_matmul_ceiling():
@@ -123,16 +124,16 @@ def test_paired_interval_cancels_a_drift_both_sides_share():
     drift = [1 + rng.uniform(-0.05, 0.05) for _ in range(20)]
     ours = [1.0 * d for d in drift]
     theirs = [1.02 * d * (1 + rng.uniform(-0.001, 0.001)) for d in drift]
-    ratio, lo, hi = common.paired_speedup_interval(ours, theirs)
+    ratio, lo, hi = timing.paired_speedup_interval(ours, theirs)
     assert lo <= ratio <= hi
     assert 1.015 < lo and hi < 1.025
-    _, unpaired_lo, unpaired_hi = common.speedup_interval(common.Timing.from_samples(ours),
-                                                          common.Timing.from_samples(theirs))
+    _, unpaired_lo, unpaired_hi = timing.speedup_interval(timing.Timing.from_samples(ours),
+                                                          timing.Timing.from_samples(theirs))
     assert unpaired_lo < 1.0 < unpaired_hi
     # Swapping the sides inverts the ratio; the rounds must pair up.
-    assert common.paired_speedup_interval(theirs, ours)[0] == pytest.approx(1 / 1.02, rel=2e-3)
+    assert timing.paired_speedup_interval(theirs, ours)[0] == pytest.approx(1 / 1.02, rel=2e-3)
     with pytest.raises(ValueError, match="as many rounds"):
-        common.paired_speedup_interval(ours, theirs[:-1])
+        timing.paired_speedup_interval(ours, theirs[:-1])
 
 
 def test_train_lines_give_each_sides_paired_ratio_to_three_decimals():

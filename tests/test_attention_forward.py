@@ -130,10 +130,10 @@ def test_gpu_negative_scale_after_and_before_the_same_call():
     # q a slice of wider rows (row stride 64, a multiple of 16, over 36 values): a negative scale
     # runs on a negated copy, which must match what the plan's compiled kernel was built for, in
     # whichever order the two scales first run.
-    from flashmoe_science.attention import interface
+    from flashmoe_science.attention import forward
     for scales in ((0.2, -0.2), (-0.2, 0.2)):
-        interface._PLANS.clear()
-        interface._FORWARD._compiled.clear()
+        forward.PLANS.clear()
+        forward._FORWARD._compiled.clear()
         base = torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.float16)
         q = base[..., :36]
         k, v = (torch.randn(1, 2, 300, 36, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -381,7 +381,7 @@ def test_gluon_forward_launch_is_persistent_with_causal_tiles_in_l2_sections(D, 
     program per SM walks the tiles head by head; with one program per tile, causal tiles come in
     sections of as many heads as have K and V within GLUON_L2_SECTION_BYTES. By default a causal
     call is persistent up to GLUON_PERSISTENT_MAX_CAUSAL_KEYS keys, others always."""
-    from flashmoe_science.attention import hopper
+    from flashmoe_science.attention import forward
     from flashmoe_science.attention._kernels.forward_gluon import attention_forward_gluon_kernel
     from flashmoe_science.attention.configs import (GLUON_L2_SECTION_BYTES, GLUON_PERSISTENT_MAX_CAUSAL_KEYS,
                                                     gluon_forward_config)
@@ -393,13 +393,13 @@ def test_gluon_forward_launch_is_persistent_with_causal_tiles_in_l2_sections(D, 
         def launch(self, key, grid, args, **options):
             calls.append((grid, dict(zip(attention_forward_gluon_kernel.arg_names, args, strict=True))))
 
-    monkeypatch.setattr(hopper, "_GLUON", Recorder())
+    monkeypatch.setattr(forward, "_GLUON", Recorder())
     B, Hq = 2, 16
     cfg = gluon_forward_config(D, False, 1000)
     for S, persistent in ((1000, True), (1000, False), (1000, None), (GLUON_PERSISTENT_MAX_CAUSAL_KEYS + 8, None)):
         q, k, v = make_qkv(B, Hq, Hkv, S, S, D, torch.bfloat16, "cpu", layout="bshd")
-        hopper.launch_gluon(q, k, v, torch.empty_like(q), None, 0.1, cfg, (-1, 0 if causal else -1), causal=causal,
-                            persistent=persistent)
+        forward.launch_gluon(q, k, v, torch.empty_like(q), None, 0.1, cfg, (-1, 0 if causal else -1), causal=causal,
+                             persistent=persistent)
         grid, args = calls[-1]
         tiles = B * Hq * -(-S // cfg.block_m)
         assert args["batch_heads"] == B * Hq and args["num_m_blocks"] == -(-S // cfg.block_m)
@@ -427,7 +427,7 @@ def test_gpu_gluon_forward_persistent_matches_a_program_per_tile(D, B, Hq, Hkv, 
     """The persistent Gluon kernel (sm90), where each program walks several tiles and carries its
     buffer phases from one to the next, gives bit for bit the output of one program per tile, and
     both match float64."""
-    from flashmoe_science.attention import hopper
+    from flashmoe_science.attention import forward
     from flashmoe_science.attention.configs import gluon_forward_config
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm90")
@@ -435,33 +435,7 @@ def test_gpu_gluon_forward_persistent_matches_a_program_per_tile(D, B, Hq, Hkv, 
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, "cuda", layout="bshd")
     tiles = B * Hq * -(-Sq // cfg.block_m)
     assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    runs = [hopper.attention_forward_hopper(q, k, v, causal, D ** -0.5, cfg, gluon=True, persistent=persistent,
-                                            write_lse=True, window_size=window) for persistent in (True, False)]
+    runs = [forward.attention_forward_hopper(q, k, v, causal, D ** -0.5, cfg, gluon=True, persistent=persistent,
+                                             write_lse=True, window_size=window) for persistent in (True, False)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     _check_banded_forward(q, k, v, *runs[0], causal, window)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("poly", [1, 2, 3])
-@pytest.mark.parametrize("kernel,D,Sq,Sk,causal,scale", [
-    ("gluon", 64, 2000, 2000, True, None),     # three consumers, masked diagonal blocks stay on the MUFU
-    ("gluon", 64, 1100, 5000, False, 1.0),     # scores spread over ~50 powers of two
-    ("gluon", 128, 1500, 1500, True, 4.0),     # exponents far below the polynomial's clamp at -126
-    ("hopper", 64, 3000, 3000, True, None),
-    ("hopper", 64, 1500, 3500, False, 4.0),
-])
-def test_gpu_forwards_with_exp_poly_match_reference(kernel, D, Sq, Sk, causal, scale, poly):
-    """The Hopper forwards with `exp_poly` of every four exponentials on the FMA pipes (sm90):
-    outputs and lse against float64 within twice SDPA's error, as with the MUFU alone."""
-    import dataclasses
-
-    from flashmoe_science.attention import hopper
-    from flashmoe_science.attention.configs import HOPPER_FORWARD, gluon_forward_config
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper kernels are for sm90")
-    shipped = gluon_forward_config(head_dim_block(D), False, Sk) if kernel == "gluon" else HOPPER_FORWARD[D]
-    cfg = dataclasses.replace(shipped, exp_poly=poly)
-    q, k, v = make_qkv(2, 8, 2, Sq, Sk, D, torch.bfloat16, "cuda", layout="bshd")
-    out, lse = hopper.attention_forward_hopper(q, k, v, causal, D ** -0.5 if scale is None else scale, cfg,
-                                               gluon=kernel == "gluon", write_lse=True)
-    _check_banded_forward(q, k, v, out, lse, causal, (-1, -1), scale=scale)

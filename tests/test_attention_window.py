@@ -11,7 +11,8 @@ import torch
 from flashmoe_science import flash_attention_backward, flash_attention_forward, flash_attention_science
 from flashmoe_science.attention import attention_reference
 from flashmoe_science.attention.configs import AttentionConfig, BackwardConfig
-from flashmoe_science.attention.interface import attention_backward, attention_forward
+from flashmoe_science.attention.backward import attention_backward
+from flashmoe_science.attention.forward import attention_forward
 from flashmoe_science.attention.reference import band_mask
 from test_attention_forward import lse_tolerance, make_qkv, max_error_tolerance, rel_error
 

@@ -12,7 +12,7 @@ from test_moe_experts import make_layer, rel_error
 from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher buffer starts as poison)
 
 from flashmoe_science.device import SUPPORTED_TARGETS, info_for
-from flashmoe_science.launch import clear_records, last_launch
+from flashmoe_science.launch import PlanCache, clear_records, last_launch
 from flashmoe_science.moe import backward as moe_backward
 from flashmoe_science.moe import builds, configs, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
@@ -225,7 +225,7 @@ def forced_backward(monkeypatch):
     table = configs.backward_config
 
     def force(change):
-        monkeypatch.setattr(moe_backward, "_PLANS", {})
+        monkeypatch.setattr(moe_backward, "_PLANS", PlanCache())
         monkeypatch.setattr(configs, "backward_config", lambda *args: change(table(*args)))
     return force
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashmoe_science.bench import moe
+from flashmoe_science.bench.sweeps import moe as moe_sweeps
 from flashmoe_science.moe import configs
 
 
@@ -48,7 +49,7 @@ def test_backward_sweep_times_each_kernel_and_prints_table_entries():
     rows = result["rows"]
     assert result["name"] == "moe_backward_sweep"
     # --quick: two candidates per kernel (the table's first), both right (fp32 on the CPU).
-    for kernel in moe.BACKWARD_KERNELS:
+    for kernel in moe_sweeps.BACKWARD_KERNELS:
         for T in (33, 40):
             ran = [r for r in rows if r["kernel"] == kernel and r["T"] == T]
             assert len(ran) == 2 and all(r["error"] is None and r["rel_diff"] < 1e-5 for r in ran), ran
@@ -59,10 +60,10 @@ def test_backward_sweep_times_each_kernel_and_prints_table_entries():
     target, source = line.split(" = ")
     assert target == "BACKWARD[80][4][64]"
     entry = eval(source, {"B": configs.BackwardConfig, "G": configs.GemmConfig, "W": configs.WeightGradConfig})
-    for kernel in moe.BACKWARD_KERNELS:
+    for kernel in moe_sweeps.BACKWARD_KERNELS:
         cfg = getattr(entry, kernel)
         assert type(cfg) is type(getattr(configs.BACKWARD[80][4][64], kernel))
-        assert {r["T"] for r in rows if r["kernel"] == kernel and moe._config_values(type(cfg), r) == astuple(cfg)} \
+        assert {r["T"] for r in rows if r["kernel"] == kernel and moe_sweeps._config_values(type(cfg), r) == astuple(cfg)} \
             == {33, 40}, kernel
 
 
@@ -80,7 +81,7 @@ def test_backward_best_table_marks_kept_entries_and_skips_wrong_candidates():
             row("grad_x", 2, fast, 1.0), row("grad_x", 2, slow, 1.0)]
     w = configs.WeightGradConfig(64, 128, 32, 8, 4, 4)
     rows += [row("grad_w1", T, w, 1.0) for T in (1, 2)] + [row("grad_w2", 1, w, 1.0)]
-    text = moe._best_backward_table(rows, table, 90, 2, torch.bfloat16)
+    text = moe_sweeps._best_backward_table(rows, table, 90, 2, torch.bfloat16)
     w2 = astuple(table[128].grad_w2)
     assert text.splitlines()[1] == (f"BACKWARD[90][2][128] = B(G(256, 64, 8, 8, 4), G(256, 64, 8, 8, 4), "
                                     f"W(64, 128, 32, 8, 4, 4), W{w2})  # the table's grad_w2: no candidate "

@@ -28,7 +28,7 @@ def _rel(x, ref):
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_expert_ids_outside_range_drop_their_slot(bad_id, dtype, device):
     """An id outside [0, E), of any magnitude and either dtype, drops its slot: never another
-    expert's output (int64 ids used to be narrowed to int32 first, 2**32 + 1 becoming expert 1)."""
+    expert's output (narrowing int64 ids to int32 first would make 2**32 + 1 expert 1)."""
     if dtype == torch.int32 and not -2**31 <= bad_id < 2**31:
         pytest.skip("not an int32 value")
     T, E, H, I = 6, 4, 32, 16

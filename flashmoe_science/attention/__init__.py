@@ -5,5 +5,5 @@ from .packed import flash_attention_qkvpacked
 from .reference import attention_reference, varlen_attention_reference
 from .varlen import flash_attention_varlen
 
-__all__ = ["flash_attention_backward", "flash_attention_forward", "flash_attention_qkvpacked", "flash_attention_science",
-           "flash_attention_varlen", "attention_reference", "varlen_attention_reference"]
+__all__ = ["flash_attention_backward", "flash_attention_forward", "flash_attention_qkvpacked",
+           "flash_attention_science", "flash_attention_varlen", "attention_reference", "varlen_attention_reference"]

@@ -1,5 +1,5 @@
-"""The attention kernels' builds: every specialisation the dispatchers of `interface.py` and
-`hopper.py` can launch, as `KernelBuild`s that `target_compile` compiles for sm80, sm86, sm89
+"""The attention kernels' builds: every specialisation the dispatchers of `forward.py` and
+`backward.py` can launch, as `KernelBuild`s that `target_compile` compiles for sm80, sm86, sm89
 and sm90 (the CPU test checks each fits its target). The tables they enumerate are in
 `configs.py`.
 
@@ -15,7 +15,7 @@ from itertools import product
 
 from ..kernel_build import KernelBuild
 from .configs import (HOPPER_FORWARD, PREPROCESS_WARPS, BackwardConfig, backward_configs, dkdv_maxnreg,
-                      forward_configs, fused_backward_maxnreg, gluon_forward_configs, gluon_forward_tiles,
+                      forward_configs, gluon_forward_configs, gluon_forward_tiles,
                       gluon_separate_output, preprocess_block_m)
 
 
@@ -60,8 +60,7 @@ def _hopper_builds(capability: int):
                 sig[name] = f"tensordesc<fp16[1,1,{rows},{block_d}]>"
             sig.update(LSE="*fp32", scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
             constexprs = dict(BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-                              SOFTCAP=softcap, WRITE_LSE=True, WARP_SPECIALIZE=False,
-                              EXP_POLY=cfg.exp_poly)
+                              SOFTCAP=softcap, WRITE_LSE=True)
             sig.update({name: "constexpr" for name in constexprs})
             yield KernelBuild(label=f"attention_forward_hopper fp16 D={block_d} causal={causal} softcap={softcap} "
                                     f"{cfg}", fn=attention_forward_hopper_kernel, signature=sig,
@@ -90,8 +89,7 @@ def _gluon_builds():
             sig.update(LSE="*fp32", scale_log2="fp32")
             constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
                               CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
-                              SEPARATE_O=gluon_separate_output(cfg, block_d), PERSISTENT=persistent,
-                              EXP_POLY=cfg.exp_poly)
+                              SEPARATE_O=gluon_separate_output(cfg, block_d), PERSISTENT=persistent)
             sig.update({n: "constexpr" for n in constexprs})
             yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} "
                                     f"persistent={persistent} {cfg}",
@@ -147,8 +145,7 @@ def _backward_builds(capability: int):
             dkdv, dq = cfg.dkdv, cfg.dq
             yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {dkdv}", element_size,
                         block_d, ("Q", "K", "V", "DO", "DK", "DV"),
-                        dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, DQ_ACC=None,
-                             DQ_MODE=backward.DQ_MODES["kernel"], TMA=tma, **options),
+                        dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, TMA=tma, **options),
                         dkdv.num_warps, dkdv.num_stages,
                         tiles=tma and dict(Q=dkdv.block_m, DO=dkdv.block_m, K=dkdv.block_n, V=dkdv.block_n,
                                            **stored(DK=dkdv.block_n, DV=dkdv.block_n)),
@@ -163,38 +160,29 @@ def _backward_builds(capability: int):
 
 def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
     """The Gluon backward kernels' builds (sm90) for one configuration, fp16 and bf16: the shared
-    memory layouts of the descriptors are part of the signature. A fused configuration
-    (`BackwardConfig.fused`) builds the fused kernel (`_kernels/backward_fused.py`) alone, with
-    its fp32 dQ reduce descriptor and launch register bound."""
+    memory layouts of the descriptors are part of the signature."""
     from triton.experimental.gluon import language as gl
 
-    from ._kernels.backward_fused import attention_backward_fused_kernel
     from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 
     def descriptor(dtype, rows):
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], dtype)
-        name = {gl.float16: "fp16", gl.bfloat16: "bf16", gl.float32: "fp32"}[dtype]
+        name = {gl.float16: "fp16", gl.bfloat16: "bf16"}[dtype]
         return f"tensordesc<{name}[1,1,{rows},{block_d}],{layout!r}>"
 
-    fused = cfg.fused
     for name, dtype in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
         dkdv, dq = cfg.dkdv, cfg.dq
-        kernel = attention_backward_fused_kernel if fused else attention_backward_dkdv_gluon_kernel
+        kernel = attention_backward_dkdv_gluon_kernel
         sig = {n: "i32" for n in kernel.arg_names}
         tiles = dict(desc_q=dkdv.block_m, desc_do=dkdv.block_m, desc_k=dkdv.block_n, desc_v=dkdv.block_n,
                      desc_dk=dkdv.block_n, desc_dv=dkdv.block_n)
         sig.update({arg: descriptor(dtype, rows) for arg, rows in tiles.items()})
-        if fused:
-            sig["desc_dq"] = descriptor(gl.float32, dkdv.block_m)
         sig.update(LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
         constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, NUM_STAGES=dkdv.num_stages)
         sig.update({n: "constexpr" for n in constexprs})
-        label = f"attention_backward_{'fused' if fused else 'dkdv_gluon'} {name} D={block_d} {dkdv}"
-        yield KernelBuild(label=label, fn=kernel, signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps,
-                          num_stages=1, aligned=("LSE", "DELTA"),
-                          maxnreg=fused_backward_maxnreg(block_d, dkdv) if fused else None)
-        if fused:
-            continue
+        yield KernelBuild(label=f"attention_backward_dkdv_gluon {name} D={block_d} {dkdv}", fn=kernel,
+                          signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps, num_stages=1,
+                          aligned=("LSE", "DELTA"))
         kernel = attention_backward_dq_gluon_kernel
         sig = {n: "i32" for n in kernel.arg_names}
         tiles = dict(desc_q=dq.block_m, desc_do=dq.block_m, desc_dq=dq.block_m, desc_k=dq.block_n, desc_v=dq.block_n)

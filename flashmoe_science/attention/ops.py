@@ -17,6 +17,9 @@ import torch
 from torch import Tensor
 
 from . import interface, varlen
+from .backward import attention_backward as _attention_backward
+from .forward import attention_forward as _attention_forward
+from .layouts import output_like
 
 
 def _output_fake(q, k, v):
@@ -24,18 +27,18 @@ def _output_fake(q, k, v):
     # output takes the layout of the q it ran on.
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q = q.contiguous()
-    return interface._output_like(q)
+    return output_like(q)
 
 
 def _gradients_fake(q, k, v):
-    return interface._output_like(q), interface._output_like(k), interface._output_like(v)
+    return output_like(q), output_like(k), output_like(v)
 
 
 @torch.library.custom_op("flashmoe_science::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float],
                       window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
     """(out, lse) of `flash_attention_forward`."""
-    return interface.attention_forward(q, k, v, causal, softmax_scale, True, None, (window_left, window_right),
+    return _attention_forward(q, k, v, causal, softmax_scale, True, None, (window_left, window_right),
                                        softcap)
 
 
@@ -49,7 +52,7 @@ def attention_backward(grad_output: Tensor, q: Tensor, k: Tensor, v: Tensor, out
                        softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
                        grad_lse: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of `flash_attention_backward`, with lse's own gradient `grad_lse` if any."""
-    return interface.attention_backward(grad_output, q, k, v, out, lse, causal, softmax_scale,
+    return _attention_backward(grad_output, q, k, v, out, lse, causal, softmax_scale,
                                         (window_left, window_right), softcap, grad_lse)
 
 

@@ -13,18 +13,21 @@ from __future__ import annotations
 import torch
 
 from ..device import check_runnable
-from .interface import (_DTYPES, NO_WINDOW, check_flags, _dense_strides, _is_int, attention_backward,
-                        attention_forward, flash_attention_science, refuse_double_backward)
+from .backward import attention_backward
+from .checks import DTYPES, NO_WINDOW, check_flags, is_int
+from .forward import attention_forward
+from .interface import flash_attention_science, refuse_double_backward
+from .layouts import dense_strides
 
 
 def _heads(qkv, num_kv_heads) -> tuple[torch.Tensor, int, int]:
     """(qkv as (B, S, Hq + 2 * Hkv, D), Hq, Hkv), after checking the argument."""
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
-    if qkv.dtype not in _DTYPES:
+    if qkv.dtype not in DTYPES:
         raise TypeError(f"qkv has dtype {qkv.dtype}; supported: float16, bfloat16, float32")
     check_runnable("qkv", qkv)
-    if num_kv_heads is not None and not (_is_int(num_kv_heads) and num_kv_heads >= 1):
+    if num_kv_heads is not None and not (is_int(num_kv_heads) and num_kv_heads >= 1):
         raise ValueError(f"num_kv_heads must be a positive int or None, got {num_kv_heads!r}")
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
@@ -66,7 +69,7 @@ class _PackedFunction(torch.autograd.Function):
         out, lse = attention_forward(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         # dQKV: qkv's own layout where it is dense (the projection's output), else dense in its order
-        ctx.options = (qkv.shape, _dense_strides(qkv.shape, qkv.stride()), heads_q, heads_kv, causal, softmax_scale,
+        ctx.options = (qkv.shape, dense_strides(qkv.shape, qkv.stride()), heads_q, heads_kv, causal, softmax_scale,
                        window_size, softcap)
         ctx.set_materialize_grads(False)
         return out.transpose(1, 2), lse

@@ -4,7 +4,7 @@ Sequences of different lengths are packed along one token axis, as in flash-attn
 interface: q (total_q, Hq, D) holds the queries of sequence b in rows
 cu_seqlens_q[b]:cu_seqlens_q[b + 1], k and v (total_k, Hkv, D) its keys in rows
 cu_seqlens_k[b]:cu_seqlens_k[b + 1]. Nothing is padded: the kernels (the dense ones with VARLEN
-on, through the launch path of `interface.py`) run ceil(max_seqlen / BLOCK) programs per
+on, through `forward.launch_forward` and `backward.launch_backward`) run ceil(max_seqlen / BLOCK) programs per
 (sequence, head), and a program past its sequence's end returns at once. The grid takes the
 sequences longest first (`longest_first`): a program's work grows with its sequence's length, and
 starting the longest ones first leaves the short ones to fill the GPU at the end.
@@ -23,9 +23,11 @@ import torch
 
 from ..launch import KernelLauncher
 from ._kernels.lengths import malformed_lengths_poison_kernel
-from .interface import (NO_WINDOW, _BackwardPlan, check_flags, _check_inputs, _check_options, _ForwardPlan,
-                        _is_int, _remember, check_backward_tensors, check_band, gradients_from_context,
-                        refuse_double_backward, run_backward, run_forward, save_for_backward)
+from ..launch import PlanCache
+from .backward import BackwardPlan, launch_backward
+from .checks import NO_WINDOW, check_backward_tensors, check_band, check_flags, check_inputs, check_options, is_int
+from .forward import ForwardPlan, launch_forward
+from .interface import gradients_from_context, refuse_double_backward, save_for_backward
 
 # (cumulative lengths argument, its max_seqlen argument, what it counts), for error messages.
 _LENGTHS = (("cu_seqlens_q", "max_seqlen_q", "query"), ("cu_seqlens_k", "max_seqlen_k", "key"))
@@ -33,7 +35,7 @@ _LENGTHS = (("cu_seqlens_q", "max_seqlen_q", "query"), ("cu_seqlens_k", "max_seq
 
 def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
     """Shapes, dtypes and devices (values are `_CheckedLengths`'s, max_seqlen `_check_max_seqlens`'s)."""
-    _check_inputs(q, k, v, packed=True)
+    check_inputs(q, k, v, packed=True)
     for (name, _, _), cu in zip(_LENGTHS, (cu_seqlens_q, cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -52,7 +54,7 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
 
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
     for (_, name, _), bound in zip(_LENGTHS, (max_seqlen_q, max_seqlen_k)):
-        if not _is_int(bound):
+        if not is_int(bound):
             raise TypeError(f"{name} must be an int, got {type(bound).__name__}")
         if bound < 0:
             raise ValueError(f"{name} must be >= 0, got {bound}")
@@ -191,21 +193,21 @@ longest_first = _LongestFirst()
 
 
 def _varlen_key(tensors, cu_seqlens_q, cu_seqlens_k, *options):
-    """What determines a packed call's plan and kernel specialisation (as `interface._plan_key`)."""
+    """What determines a packed call's plan and kernel specialisation (as `forward.plan_key`)."""
     return (tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors),
             tuple((cu.shape, cu.stride(), cu.dtype, cu.device, cu.data_ptr() % 16)
                   for cu in (cu_seqlens_q, cu_seqlens_k)), options)
 
 
-_FORWARD_PLANS: dict = {}
-_BACKWARD_PLANS: dict = {}
+_FORWARD_PLANS = PlanCache()
+_BACKWARD_PLANS = PlanCache()
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                    write_lse, window_size=NO_WINDOW, softcap=0.0):
     """Runs the forward kernel on a packed batch: returns (out, lse) with lse (Hq, total_q), None
     unless `write_lse`."""
-    _check_options(causal, softmax_scale)  # every call, as in `interface.attention_forward`
+    check_options(causal, softmax_scale)  # every call, as in `forward.attention_forward`
     window_size = check_band(window_size, softcap)
     _check_max_seqlens(max_seqlen_q, max_seqlen_k)
     try:
@@ -216,12 +218,12 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         key = plan = None
     if plan is None:
         _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        plan = _ForwardPlan(q, k, v, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
+        plan = ForwardPlan(q, k, v, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
                             softcap, write_lse, True)
         if key is not None:
-            _remember(_FORWARD_PLANS, key, plan)
+            _FORWARD_PLANS.remember(key, plan)
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
-    out, lse = run_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
+    out, lse = launch_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
                            longest_first(cu_seqlens_q, cu_seqlens_k))
     poison_if_malformed(key, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, (out, lse))
     return out, lse
@@ -232,7 +234,7 @@ def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     """Runs the backward kernels on a packed batch: returns (dq, dk, dv) with the layouts of q, k
     and v; lse and grad_lse are (Hq, total_q)."""
     tensors = (grad_output, q, k, v, out, lse)
-    _check_options(causal, softmax_scale)  # every call, as in `interface.attention_forward`
+    check_options(causal, softmax_scale)  # every call, as in `forward.attention_forward`
     window_size = check_band(window_size, softcap)
     _check_max_seqlens(max_seqlen_q, max_seqlen_k)
     try:
@@ -244,12 +246,12 @@ def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     if plan is None:
         _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
         check_backward_tensors(grad_output, q, out, lse, (q.shape[1], q.shape[0]), "(heads_q, total_q)")
-        plan = _BackwardPlan(tensors, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
+        plan = BackwardPlan(tensors, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
                              softcap, True)
         if key is not None:
-            _remember(_BACKWARD_PLANS, key, plan)
+            _BACKWARD_PLANS.remember(key, plan)
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
-    grads = run_backward(plan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+    grads = launch_backward(plan, key, grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                          grad_lse, longest_first(cu_seqlens_q, cu_seqlens_k))
     poison_if_malformed(key, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, grads)
     return grads
@@ -314,7 +316,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     except AttributeError:  # not tensors: the checks say which argument is wrong
         differentiable = False
     if torch.compiler.is_compiling():
-        _check_options(causal, softmax_scale)
+        check_options(causal, softmax_scale)
         window_left, window_right = check_band(window_size, softcap)
         out, lse = torch.ops.flashmoe_science.attention_varlen_forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,

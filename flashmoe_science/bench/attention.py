@@ -1,18 +1,15 @@
 """`flashmoe-science bench attention`: our attention against PyTorch's, side by side, one run.
 
 Sections (rows carry a "section" column):
-- small: the earlier attempt's benchmark shapes, fp16 and bf16; wall-clock per call (what users
+- small: small single-head and few-head calls (S = 32 to 512, D = 64), fp16 and bf16; wall-clock per call (what users
   feel: host and GPU) and GPU time, ours against SDPA's default dispatch, with the speedup's
   95% interval and correctness columns.
 - throughput: 16k tokens per batch, Hq*D = 2048, bf16: TFLOP/s of ours, SDPA's FlashAttention-2,
   cuDNN and memory-efficient backends, and compiled FlexAttention.
 - memory (modes with a backward): peak memory of forward+backward, ours against SDPA's math backend.
 - train: forward+backward of a small transformer block on our attention against SDPA's default.
-- sweep (with --sweep): every candidate forward configuration on the throughput shapes; with
-  --sweep-hopper the Hopper TMA kernel's candidates against the generic kernel, and with
-  --sweep-gluon only the shipped Hopper configuration and the Gluon kernel's candidates
-  (attention_hopper_sweep_gluon). With --window W both time causal sliding-window calls of left
-  window W instead (attention_sweep_windowW).
+- sweeps (--sweep, --sweep-hopper, --sweep-gluon; `sweeps/attention_forward.py`): candidate
+  forward configurations, for maintainers tuning the tables.
 - varlen (only when listed in --sections): a packed batch of about 16k tokens whose lengths are
   drawn uniformly from 64 to 2048 (fixed seed), D = 128, Hq*D = 2048, bf16, causal and not: ours
   against SDPA on the zero-padded batch with a key-padding mask and against compiled
@@ -29,17 +26,17 @@ through the interpreter at a tiny size, without FlexAttention.
 from __future__ import annotations
 
 import itertools
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..attention import attention_reference, flash_attention_qkvpacked, flash_attention_science, flash_attention_varlen
-from ..attention.configs import HOPPER_FORWARD, forward_config
-from ..device import info_for, interpreter_active
-from .common import (Timing, attention_flops, attention_pairs, max_abs_error, measure_matmul_ceiling,
-                     paired_speedup_interval, rel_error, speedup_interval, time_gpu, time_wall)
+from ..device import interpreter_active
+from ..flops import attention_flops, attention_pairs
+from .common import max_abs_error, measure_matmul_ceiling, rel_error
+from .timing import Timing, paired_speedup_interval, speedup_interval, time_gpu, time_wall
 
 SMALL_SHAPES = [(1, 1, 32, 64), (1, 1, 64, 64), (1, 1, 128, 64), (1, 1, 256, 64), (1, 1, 512, 64), (2, 4, 128, 64)]
 TOKENS = 16384
@@ -66,15 +63,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--window", type=int, default=None,
                         help="with --sweep or --sweep-hopper: time causal sliding-window calls of this left window "
                              "(window_size=(W, 0)) instead of plain and causal ones")
-    parser.add_argument("--exp-polys", default="0",
-                        help="with --sweep-hopper: time each Hopper candidate with each of these exp_poly values "
-                             "(how many of every four exponentials run on the FMA pipes, 0 to 3)")
     parser.add_argument("--gluon-tiles", default=None,
                         help="with --sweep-hopper: only these Gluon candidates, as ROWSxBLOCK_NsSTAGES "
                              "(such as 192x128s2,128x128s2)")
 
 
-def _ints(text):
+def ints(text):
+    """A comma list of ints (the options --head-dims, --seqlens)."""
     return [int(x) for x in str(text).split(",") if x]
 
 
@@ -96,8 +91,8 @@ def _timed_call(fn, inputs, mode):
     return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
 
 
-def _inputs(batch, heads, seqlen, head_dim, dtype, device, requires_grad=False):
-    # (B, S, H, D) memory viewed as (B, H, S, D): the layout models produce.
+def make_inputs(batch, heads, seqlen, head_dim, dtype, device, requires_grad=False):
+    """q, k, v: (B, S, H, D) memory viewed as (B, H, S, D), the layout models produce."""
     return tuple(torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=device)
                  .transpose(1, 2).requires_grad_(requires_grad) for _ in range(3))
 
@@ -110,7 +105,7 @@ def _small(args, device):
     cases = list(itertools.product(shapes, dtypes, [False, True]))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for (batch, heads, seqlen, head_dim), dtype, causal in args.progress(cases, desc="attention small"):
-        sets = [_inputs(batch, heads, seqlen, head_dim, dtype, device) for _ in range(INPUT_SETS)]
+        sets = [make_inputs(batch, heads, seqlen, head_dim, dtype, device) for _ in range(INPUT_SETS)]
         ours_cycle, sdpa_cycle = itertools.cycle(sets), itertools.cycle(sets)
 
         def ours():
@@ -121,27 +116,27 @@ def _small(args, device):
             q, k, v = next(sdpa_cycle)
             return sdpa(q, k, v, is_causal=causal)
 
-        calls = 20 if interp else 300
-        wall_ours = time_wall(ours, calls=calls, repeats=args.repeats)
-        wall_sdpa = time_wall(theirs, calls=calls, repeats=args.repeats)
-        gpu_ours = time_gpu(ours, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
-        gpu_sdpa = time_gpu(theirs, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
-        speed, lo, hi = speedup_interval(wall_ours, wall_sdpa)
         q, k, v = sets[0]
         ref, _ = attention_reference(q, k, v, causal=causal)
         out_ours = flash_attention_science(q, k, v, causal=causal)
         out_sdpa = sdpa(q, k, v, is_causal=causal)
-        rows.append(dict(
-            section="small", mode="fwd", batch=batch, heads=heads, seqlen=seqlen, head_dim=head_dim,
-            dtype=str(dtype).replace("torch.", ""), causal=causal,
-            ours_wall_us=wall_ours.median_ms * 1e3, sdpa_wall_us=wall_sdpa.median_ms * 1e3,
-            ours_wall_us_ci=[wall_ours.lo_ms * 1e3, wall_ours.hi_ms * 1e3],
-            sdpa_wall_us_ci=[wall_sdpa.lo_ms * 1e3, wall_sdpa.hi_ms * 1e3],
-            ours_gpu_us=gpu_ours.median_ms * 1e3, sdpa_gpu_us=gpu_sdpa.median_ms * 1e3,
-            speedup_wall=speed, speedup_wall_ci=[lo, hi],
-            speedup_gpu=gpu_sdpa.median_ms / gpu_ours.median_ms,
-            ours_max_abs_err=max_abs_error(out_ours, ref), sdpa_max_abs_err=max_abs_error(out_sdpa, ref),
-            ours_rel_err=rel_error(out_ours, ref), sdpa_rel_err=rel_error(out_sdpa, ref)))
+        row = dict(section="small", mode="fwd", batch=batch, heads=heads, seqlen=seqlen, head_dim=head_dim,
+                   dtype=str(dtype).replace("torch.", ""), causal=causal,
+                   ours_max_abs_err=max_abs_error(out_ours, ref), sdpa_max_abs_err=max_abs_error(out_sdpa, ref),
+                   ours_rel_err=rel_error(out_ours, ref), sdpa_rel_err=rel_error(out_sdpa, ref))
+        if not interp:  # the interpreter's times compare a Python emulation with PyTorch's CPU kernels
+            wall_ours = time_wall(ours, calls=300, repeats=args.repeats)
+            wall_sdpa = time_wall(theirs, calls=300, repeats=args.repeats)
+            gpu_ours = time_gpu(ours, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
+            gpu_sdpa = time_gpu(theirs, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
+            speed, lo, hi = speedup_interval(wall_ours, wall_sdpa)
+            row.update(ours_wall_us=wall_ours.median_ms * 1e3, sdpa_wall_us=wall_sdpa.median_ms * 1e3,
+                       ours_wall_us_ci=[wall_ours.lo_ms * 1e3, wall_ours.hi_ms * 1e3],
+                       sdpa_wall_us_ci=[wall_sdpa.lo_ms * 1e3, wall_sdpa.hi_ms * 1e3],
+                       ours_gpu_us=gpu_ours.median_ms * 1e3, sdpa_gpu_us=gpu_sdpa.median_ms * 1e3,
+                       speedup_wall=speed, speedup_wall_ci=[lo, hi],
+                       speedup_gpu=gpu_sdpa.median_ms / gpu_ours.median_ms)
+        rows.append(row)
     return rows
 
 
@@ -157,7 +152,7 @@ def _overhead(args, device):
 
     x = torch.empty(1, device=device)
     launcher = KernelLauncher("bench_empty", empty_kernel)
-    q, k, v = _inputs(1, 1, 128, 64, torch.float16, device)
+    q, k, v = make_inputs(1, 1, 128, 64, torch.float16, device)
     calls = {
         "empty Triton kernel, ordinary launch": lambda: empty_kernel[(1,)](x, 1),
         "empty Triton kernel, our launcher": lambda: launcher.launch(("empty",), (1, 1, 1), (x, 1), num_warps=1,
@@ -200,7 +195,7 @@ def _reference_errors(impls, seqlen, head_dim, causal, mode, device):
     """Relative error vs float64 of each implementation on one (batch, head) slice: the
     output for fwd, the worst of dq/dk/dv otherwise. Backend errors run in their own context."""
     from torch.nn.attention import sdpa_kernel
-    q, k, v = _inputs(1, 1, seqlen, head_dim, torch.bfloat16, device, requires_grad=mode != "fwd")
+    q, k, v = make_inputs(1, 1, seqlen, head_dim, torch.bfloat16, device, requires_grad=mode != "fwd")
     ref_inputs = [t.detach().double().requires_grad_(mode != "fwd") for t in (q, k, v)]
     ref, _ = attention_reference(*ref_inputs, causal=causal)
     grad = torch.randn_like(ref)
@@ -232,8 +227,8 @@ def _throughput(args, device):
     from torch.nn.attention import sdpa_kernel
     rows = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    flex_dims = set(_ints(args.flex_head_dims))
-    cases = list(itertools.product(_ints(args.head_dims), _ints(args.seqlens), [False, True]))
+    flex_dims = set(ints(args.flex_head_dims))
+    cases = list(itertools.product(ints(args.head_dims), ints(args.seqlens), [False, True]))
     for head_dim, seqlen, causal in args.progress(cases, desc=f"attention throughput {args.mode}"):
         heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
         impls = {"ours": (lambda q, k, v: flash_attention_science(q, k, v, causal=causal), None)}
@@ -244,7 +239,7 @@ def _throughput(args, device):
                 impls["flex"] = (_flex_impl(seqlen, causal, device), None)
             except Exception as exc:
                 rows.append(dict(section="throughput", mode=args.mode, impl="flex", error=repr(exc)[:200]))
-        inputs = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device, requires_grad=args.mode != "fwd")
+        inputs = make_inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device, requires_grad=args.mode != "fwd")
         flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, args.mode)
         errors = _reference_errors(impls, seqlen, head_dim, causal, args.mode, device)
         timings = {}
@@ -282,7 +277,7 @@ def _memory(args, device):
     impls = {"ours": (lambda q, k, v: flash_attention_science(q, k, v, causal=True), None),
              "sdpa_math": (lambda q, k, v: sdpa(q, k, v, is_causal=True), SDPBackend.MATH)}
     for name, (fn, backend) in impls.items():
-        inputs = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device, requires_grad=True)
+        inputs = make_inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device, requires_grad=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -564,7 +559,7 @@ def _window(args, device, work: Workload):
     """Causal sliding windows against full causal attention (ours) and FlexAttention's
     sliding-window mask, one sequence of work.seqlen, timed in args.mode."""
     seqlen, heads, head_dim = work.seqlen, work.heads, work.head_dim
-    inputs = _inputs(1, heads, seqlen, head_dim, work.dtype, device, requires_grad=args.mode != "fwd")
+    inputs = make_inputs(1, heads, seqlen, head_dim, work.dtype, device, requires_grad=args.mode != "fwd")
     # The last rows of one head against float64 (all of it would be an S x S float64 matrix).
     tail = min(seqlen, 2048)
     q_ref, k_ref, v_ref = (t.detach()[:, :1].double() for t in inputs)
@@ -657,133 +652,6 @@ def _calls(args, device, work: Workload):
 WORKLOAD_SECTIONS = {"varlen": _varlen, "window": _window, "calls": _calls}
 
 
-def forward_candidates(element_size, block_d):
-    """Forward configurations worth timing on Hopper for a head dim (shared memory permitting)."""
-    from ..attention.configs import AttentionConfig
-    for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
-        smem = element_size * block_d * (bm + 2 * bn * stages)  # Q plus K and V per stage
-        if smem <= 220 * 1024 and not (bm == 128 and warps == 4 and block_d >= 128):
-            yield AttentionConfig(bm, bn, warps, stages)
-
-
-def _sweep_cases(args):
-    """(head dim, sequence length, causal, window_size) of a sweep: plain and causal calls, or
-    causal calls with the left window of --window."""
-    if args.window is None:
-        variants = [(False, (-1, -1)), (True, (-1, -1))]
-    else:
-        variants = [(True, (args.window, 0))]
-    return [(d, s, causal, window) for d, s, (causal, window) in
-            itertools.product(_ints(args.head_dims), _ints(args.seqlens), variants)]
-
-
-def _sweep_row(section, head_dim, seqlen, causal, window_size, **fields) -> dict:
-    return dict(section=section, head_dim=head_dim, seqlen=seqlen, causal=causal,
-                window=None if window_size[0] < 0 else window_size[0], **fields)
-
-
-def _sweep(args, device):
-    from ..attention.interface import attention_forward
-    rows = []
-    for head_dim, seqlen, causal, window in args.progress(_sweep_cases(args), desc="attention sweep"):
-        heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
-        q, k, v = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device)
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, "fwd", window)
-        for cfg in forward_candidates(2, max(16, 1 << (head_dim - 1).bit_length())):
-            row = _sweep_row("sweep", head_dim, seqlen, causal, window, mode="fwd", block_m=cfg.block_m,
-                             block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            try:
-                t = time_gpu(lambda: attention_forward(q, k, v, causal, None, False, cfg, window),
-                             warmup_ms=5, rep_ms=25, repeats=1)
-            except Exception as exc:  # out of resources for this candidate
-                row.update(error=type(exc).__name__)
-            else:
-                row.update(ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12)
-            rows.append(row)
-    return rows
-
-
-# Candidates by head dim. Four-warp programs that do not share barriers overlap one program's
-# softmax with another's wgmma, so the list spans how many fit on an SM (registers and shared
-# memory: the Q tile plus K and V per stage) as well as the tile shapes. Warp specialisation is
-# tried at 8 warps only: Triton 3.6 fails to compile this loop at 4.
-HOPPER_CANDIDATES = {64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 2),
-                          (64, 128, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
-                     128: [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 128, 4, 2),
-                           (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
-                     256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]}
-# The Gluon kernel's candidates: (rows per tile, BLOCK_N, stages), 64 rows per consumer
-# warpgroup (two or three); Q plus K and V per stage fill at most 227 KB, and three consumers get
-# 160 registers a thread against two's 240. Each is timed persistent (one program per SM) and
-# with one program per tile ("grid=tiles"); `configs.gluon_persistent` says which one ships.
-GLUON_CANDIDATES = {64: [(128, 128, 2), (128, 128, 3), (192, 128, 2), (192, 128, 3), (192, 64, 3), (192, 64, 4)],
-                    128: [(128, 128, 2), (128, 64, 3), (192, 64, 2), (192, 64, 3)],
-                    256: [(128, 64, 2), (128, 32, 3)]}
-
-
-def _poly_label(poly: int) -> str:
-    return f" poly{poly}" if poly else ""
-
-
-def _hopper_sweep(args, device):
-    """The Hopper TMA kernel (with and without warp specialisation) and the Gluon kernel against the
-    generic kernel's shipped configuration, on the throughput shapes; errors are relative to the
-    generic output."""
-    from ..attention import hopper
-    from ..attention.configs import AttentionConfig
-    from ..attention.interface import attention_forward
-    polys = _ints(args.exp_polys)
-    tiles = None if args.gluon_tiles is None else set(args.gluon_tiles.split(","))
-    rows = []
-    for head_dim, seqlen, causal, window in args.progress(_sweep_cases(args), desc="attention hopper sweep"):
-        heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
-        q, k, v = _inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device)
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, "fwd", window)
-        scale = head_dim ** -0.5
-        table = forward_config(info_for(q), q.element_size(), head_dim, seqlen, batch * heads)
-
-        def generic_call():  # the generic kernel with the table's configuration, whatever the dispatcher picks
-            return attention_forward(q, k, v, causal, None, False, table, window)[0]
-
-        generic = generic_call()
-        t = time_gpu(generic_call, warmup_ms=5, rep_ms=25, repeats=1)
-        rows.append(_sweep_row("hopper_sweep", head_dim, seqlen, causal, window, impl=f"generic {table}",
-                               ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12))
-
-        def timed(impl, fn):  # one candidate's row: its time and its error against the generic output
-            row = _sweep_row("hopper_sweep", head_dim, seqlen, causal, window, impl=impl)
-            try:
-                out, _ = fn()
-                t = time_gpu(fn, warmup_ms=5, rep_ms=25, repeats=1)
-            except Exception as exc:
-                row.update(error=f"{type(exc).__name__}: {exc}"[:200])
-            else:
-                row.update(ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12,
-                           rel_err_vs_generic=rel_error(out, generic))
-            return row
-
-        triton_candidates = HOPPER_CANDIDATES.get(head_dim, [])
-        if args.sweep_gluon:
-            shipped = HOPPER_FORWARD.get(head_dim)
-            triton_candidates = [] if shipped is None else [astuple(shipped)[:4]]
-        for (bm, bn, warps, stages), ws, poly in itertools.product(triton_candidates, (False, True), polys):
-            if ws and warps < 8:
-                continue
-            cfg = AttentionConfig(bm, bn, warps, stages, poly)
-            rows.append(timed(f"hopper {bm}x{bn} w{warps} s{stages}{' ws' if ws else ''}{_poly_label(poly)}",
-                              lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, warp_specialize=ws,
-                                                                      window_size=window)))
-        gluon_candidates = [c for c in GLUON_CANDIDATES.get(head_dim, [])
-                            if tiles is None or "%dx%ds%d" % c in tiles]
-        for (bm, bn, stages), persistent, poly in itertools.product(gluon_candidates, (True, False), polys):
-            cfg = AttentionConfig(bm, bn, 4, stages, poly)
-            rows.append(timed(f"gluon {bm}x{bn} s{stages}{'' if persistent else ' grid=tiles'}{_poly_label(poly)}",
-                              lambda: hopper.attention_forward_hopper(q, k, v, causal, scale, cfg, gluon=True,
-                                                                      persistent=persistent, window_size=window)))
-        args.checkpoint(rows)
-    return rows
-
-
 def run(args) -> dict:
     """The benchmark's rows. `args.checkpoint(rows)`, where the caller sets it (`cli`), is handed
     the rows measured so far after each shape of the long sections, so a run cut short by a time
@@ -793,12 +661,12 @@ def run(args) -> dict:
     args.checkpoint = checkpoint
     meta = {"mode": args.mode, "tokens_per_batch": TOKENS, "hidden": HIDDEN}
     suffix = "" if args.window is None else f"_window{args.window}"
-    if args.sweep:
-        return {"name": f"attention_sweep{suffix}", "rows": _sweep(args, device), "meta": meta}
-    if args.sweep_hopper:
-        poly = "_exp_poly" if _ints(args.exp_polys) != [0] else ""
-        name = f"attention_hopper_sweep{'_gluon' if args.sweep_gluon else ''}{poly}{suffix}"
-        return {"name": name, "rows": _hopper_sweep(args, device), "meta": meta}
+    if args.sweep or args.sweep_hopper:
+        from .sweeps import attention_forward as sweeps
+        if args.sweep:
+            return {"name": f"attention_sweep{suffix}", "rows": sweeps.sweep(args, device), "meta": meta}
+        name = f"attention_hopper_sweep{'_gluon' if args.sweep_gluon else ''}{suffix}"
+        return {"name": name, "rows": sweeps.hopper_sweep(args, device), "meta": meta}
     default = ["overhead", "small", "throughput"] if args.mode == "fwd" else ["throughput", "memory", "train"]
     sections = args.sections.split(",") if args.sections else default
     mode = args.mode.replace("+", "_")
@@ -859,17 +727,23 @@ def plot(rows, path) -> None:
     plt.close(fig)
 
 
-
 def summarize(result: dict) -> str:
     """A short text table of the result, printed last by the command."""
     rows, lines = result["rows"], []
     small = [r for r in rows if r.get("section") == "small"]
-    if small:
+    def case(r):
+        return f"({r['batch']},{r['heads']},{r['seqlen']},{r['head_dim']}) {r['dtype']} {r['causal']!s:5}"
+
+    if small and "speedup_wall" not in small[0]:
+        lines.append("small calls through the interpreter (errors against float64; no timings on the CPU): "
+                     "shape dtype causal | rel. error ours / SDPA")
+        lines += [f"  {case(r)} | {r['ours_rel_err']:.1e} / {r['sdpa_rel_err']:.1e}" for r in small]
+    elif small:
         lines.append("small calls: shape dtype causal | wall us ours / SDPA | speedup [95% CI] | GPU us ours / SDPA")
         for r in small:
             lo, hi = r["speedup_wall_ci"]
-            lines.append(f"  ({r['batch']},{r['heads']},{r['seqlen']},{r['head_dim']}) {r['dtype']} {r['causal']!s:5} | "
-                         f"{r['ours_wall_us']:.1f} / {r['sdpa_wall_us']:.1f} | {r['speedup_wall']:.2f} [{lo:.2f}, {hi:.2f}] | "
+            lines.append(f"  {case(r)} | {r['ours_wall_us']:.1f} / {r['sdpa_wall_us']:.1f} | "
+                         f"{r['speedup_wall']:.2f} [{lo:.2f}, {hi:.2f}] | "
                          f"{r['ours_gpu_us']:.1f} / {r['sdpa_gpu_us']:.1f}")
     table: dict = {}
     for r in rows:

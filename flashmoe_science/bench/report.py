@@ -1,9 +1,9 @@
-"""Generate the README's benchmark tables from committed results files.
+"""Generate the benchmark tables of the README and docs/benchmarks.md from committed results files.
 
-Every table sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->` in the README,
-where NAME is a results file's stem in benchmarks/results (attention_fwd, moe_fwd, ...). The
-tables are never typed by hand: `flashmoe-science report` rewrites them, and a test checks the
-README matches the files.
+Every table sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->`, where NAME is a
+results file's stem in benchmarks/results (attention_fwd, moe, ...), or `headline`: the README's
+short table of figures picked from several files (`render_headline`). The tables are never typed
+by hand: `flashmoe-science report` rewrites them, and a test checks the documents match the files.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def render_attention(name: str, result: dict) -> str:
     parts = [_source_line(name, meta)]
     small = [r for r in rows if r.get("section") == "small"]
     if small:
-        parts.append("\nSmall calls (the earlier attempt's benchmark): wall-clock per call of back-to-back "
+        parts.append("\nSmall calls: wall-clock per call of back-to-back "
                      "calls (host and GPU, what a user feels) and GPU time from CUDA events, ours against "
                      "SDPA's default dispatch; error relative to float64.\n\n" + _attention_small(small))
     tput = [r for r in rows if r.get("section") == "throughput" and r.get("tflops")]
@@ -258,12 +258,61 @@ def render_moe_train(name: str, result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+# The README's headline cases: attention (head dim, causal, S) and MoE (shape, T).
+_HEADLINE_ATTENTION = ((128, True, 4096), (128, True, 16384))
+_HEADLINE_MOE = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 16384))
+
+
+def _load(results_dir, name):
+    path = Path(results_dir) / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def render_headline(results_dir) -> str:
+    """One short table: attention forward and backward (bf16, D = 128, causal) against the fastest
+    PyTorch backend in the same run, and the MoE layer forward and forward+backward against
+    torch._grouped_mm, each row naming its results file."""
+    out = ["| what | shape | ours | PyTorch's best in the same run | ours / theirs | file |",
+           "|---|---|---|---|---|---|"]
+    gpus = []
+    for name, label in (("attention_fwd", "attention forward"), ("attention_bwd", "attention backward")):
+        result = _load(results_dir, name)
+        if result is None:
+            continue
+        gpus.append(result["meta"].get("gpu") or "CPU")
+        for head_dim, causal, seqlen in _HEADLINE_ATTENTION:
+            rows = [r for r in result["rows"] if r.get("section") == "throughput" and r.get("tflops")
+                    and (r["head_dim"], r["causal"], r["seqlen"]) == (head_dim, causal, seqlen)]
+            ours = next((r for r in rows if r["impl"] == "ours"), None)
+            theirs = max((r for r in rows if r["impl"].startswith("sdpa")), key=lambda r: r["tflops"], default=None)
+            if ours and theirs:
+                out.append(f"| {label} | bf16 D={head_dim} S={seqlen}{' causal' if causal else ''} | "
+                           f"{ours['tflops']:.0f} TFLOP/s | {theirs['tflops']:.0f} "
+                           f"({_IMPL_NAMES.get(theirs['impl'])}) | "
+                           f"{ours['tflops'] / theirs['tflops']:.2f}x | `{name}.json` |")
+    for name, label in (("moe", "MoE layer forward"), ("moe_fwd_bwd", "MoE layer forward+backward")):
+        result = _load(results_dir, name)
+        if result is None:
+            continue
+        gpus.append(result["meta"].get("gpu") or "CPU")
+        for shape, tokens in _HEADLINE_MOE:
+            rows = {r["impl"]: r for r in result["rows"] if r["shape"] == shape and r["T"] == tokens}
+            if "ours" in rows and "gmm" in rows:
+                ours, theirs = rows["ours"]["ms"], rows["gmm"]["ms"]
+                out.append(f"| {label} | {shape} T={tokens} | {ours:.3f} ms | {theirs:.3f} ms "
+                           f"({_IMPL_NAMES['grouped_mm']}) | {theirs / ours:.2f}x | `{name}.json` |")
+    return f"_{', '.join(dict.fromkeys(gpus))}; bf16._\n\n" + "\n".join(out) + "\n"
+
+
 def update_readme(results_dir, readme_path, *, check: bool = False) -> bool:
-    """Rewrites every results table in the README; returns whether anything changed."""
+    """Rewrites every results table in a document (the README, docs/benchmarks.md); returns
+    whether anything changed."""
     readme = Path(readme_path)
     text = readme.read_text()
 
     def replace(match):
+        if match["name"] == "headline":
+            return match.group(1) + render_headline(results_dir) + match.group(4)
         path = Path(results_dir) / f"{match['name']}.json"
         if not path.exists():
             body = f"_No results file `{path}` yet._\n"

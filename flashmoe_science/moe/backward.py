@@ -42,7 +42,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..device import info_for, interpreter_active
-from ..launch import KernelLauncher
+from ..launch import KernelLauncher, PlanCache
 from . import configs, experts, routing
 from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
 
@@ -50,7 +50,6 @@ _GRAD_GATE_UP = KernelLauncher("moe_grad_gate_up", grad_gate_up_kernel, fp32_dot
 _GRAD_X = KernelLauncher("moe_grad_x", grad_x_kernel, fp32_dots=True)
 _GRAD_W1 = KernelLauncher("moe_grad_w1", grad_w1_kernel, fp32_dots=True)
 _GRAD_W2 = KernelLauncher("moe_grad_w2", grad_w2_kernel, fp32_dots=True)
-_MAX_PLANS = 4096
 
 
 class BackwardPlan:
@@ -91,7 +90,7 @@ class BackwardPlan:
         self.device_index = x.device.index if x.device.type == "cuda" else None
 
 
-_PLANS: dict = {}
+_PLANS = PlanCache()
 
 
 def expert_block_ranges(block_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -229,9 +228,7 @@ def experts_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h,
         grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows)))
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = BackwardPlan(hidden_states, w1, w2, topk_ids, block_expert, sorted_pairs)
+        plan = _PLANS.remember(key, BackwardPlan(hidden_states, w1, w2, topk_ids, block_expert, sorted_pairs))
     x = hidden_states.contiguous() if plan.copy_x else hidden_states
     w1 = w1.contiguous() if plan.copy_w1 else w1
     w2 = w2.contiguous() if plan.copy_w2 else w2

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ..device import check_runnable, info_for
-from ..launch import KernelLauncher
+from ..launch import KernelLauncher, PlanCache
 from . import configs, routing
 from ._kernels.combine import combine_kernel
 from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
@@ -35,7 +35,6 @@ from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
 _GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel, fp32_dots=True)
 _DOWN = KernelLauncher("moe_down", down_kernel, fp32_dots=True)
 _COMBINE = KernelLauncher("moe_combine", combine_kernel)
-_MAX_PLANS = 4096
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -173,15 +172,8 @@ def _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activatio
             top_k, renormalize, activation, scoring)
 
 
-_EXPERTS_PLANS: dict = {}
-_MOE_PLANS: dict = {}
-
-
-def _remember(cache: dict, key, plan):
-    if len(cache) >= _MAX_PLANS:
-        cache.clear()
-    cache[key] = plan
-    return plan
+_EXPERTS_PLANS = PlanCache()
+_MOE_PLANS = PlanCache()
 
 
 def _check_routing_tensors(hidden_states, topk_weights, topk_ids, num_experts) -> None:
@@ -205,7 +197,7 @@ def _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activa
     """Checks a call of `fused_experts` (or its saving forward) and caches its plan under `key`."""
     _check_experts_args(hidden_states, w1, w2, activation)
     _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
-    return _remember(_EXPERTS_PLANS, key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1]))
+    return _EXPERTS_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1]))
 
 
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu"):
@@ -347,7 +339,7 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
         raise
     if plan is None:
         _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
-        plan = _remember(_MOE_PLANS, key, _ExpertsPlan(key, hidden_states, w1, w2, top_k))
+        plan = _MOE_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, top_k))
     else:  # the key compares top_k=2.0 equal to 2 and renormalize=1 equal to True: types checked every call
         routing.check_top_k(top_k, plan.num_experts)
         routing.check_routing_options(renormalize, scoring)

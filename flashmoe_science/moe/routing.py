@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..device import check_runnable
-from ..launch import KernelLauncher
+from ..launch import KernelLauncher, PlanCache
 from . import configs
 from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_kernel
 
@@ -28,7 +28,6 @@ SCORINGS = ("softmax", "sigmoid")
 _ROUTE = KernelLauncher("moe_route", route_kernel)
 _COUNT = KernelLauncher("moe_count", count_pairs_kernel)
 _ALIGN = KernelLauncher("moe_align", align_pairs_kernel)
-_MAX_PLANS = 4096
 
 
 def allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -195,7 +194,7 @@ class _RoutePlan:
         self.sigmoid = scoring == "sigmoid"
 
 
-_PLANS: dict = {}
+_PLANS = PlanCache()
 
 
 def records_autograd(*tensors) -> bool:
@@ -247,9 +246,7 @@ def route(router_logits, top_k, renormalize, scoring):
         raise
     if plan is None:
         plan = _RoutePlan(router_logits, top_k, renormalize, scoring)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        _PLANS.remember(key, plan)
     else:  # the key compares top_k=2.0 equal to 2 and renormalize=1 equal to True: types checked every call
         check_top_k(top_k, plan.dispatch.num_experts)
         check_routing_options(renormalize, scoring)

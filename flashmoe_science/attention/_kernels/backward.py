@@ -7,11 +7,10 @@ gradient of the output:
     dQ = scale * dS K  dK = scale * dS^T Q
 
 Three kernels, each output element written by exactly one program that sums in a fixed order,
-so gradients are bitwise reproducible (no atomics, unless a sweep asks for a fused dQ below):
+so gradients are bitwise reproducible (no atomics):
 
 * `attention_backward_preprocess_kernel` computes delta (fp32, one value per query row) and
-  lse in base 2 where the dQ kernel does not: for the fused dQ paths, and when lse has a
-  gradient of its own.
+  lse in base 2 where the dQ kernel does not: when lse has a gradient of its own.
 * `attention_backward_dq_kernel`: one program per block of BLOCK_M query rows of one (batch,
   query head), Q and dO on chip, walking the key blocks. It runs first: with DELTA_HERE it loads
   its rows of O as well, computes their delta and stores it, with their lse in base 2, for the
@@ -23,16 +22,10 @@ so gradients are bitwise reproducible (no atomics, unless a sweep asks for a fus
   transposed tiles (S^T = K Q^T) so that dV += P^T dO and dK += dS^T Q are plain products.
 
 Splitting dQ from dK/dV recomputes S and dP once more (seven block products per block pair
-instead of five), the price of never accumulating dQ across programs. The dK/dV kernel can also
-add dQ itself (DQ_MODE, `configs.BackwardConfig.dq_path`): each step multiplies dS by its K block
-and adds the fp32 result into an accumulator, with atomic adds through pointers (DQ_ATOMIC) or with
-one TMA reduce-add per tile (DQ_TMA, sm90, FlashAttention-3's choice). Measured on an H100 at
-S = 4096 over every tile that fits (benchmarks/results/attention_backward_sweep_dq_{tma,atomic}.json),
-the best fused variant reaches 369 TFLOP/s (tma) and 311 (atomic) against 401 for the split
-kernels at D = 128, 155 against 204 at D = 256, and ties at D = 64 (341 against 338): each step
-then stages a 32 KB fp32 tile in shared memory and waits for its reduce before the next, and the
-extra accumulator spills registers. So the tables keep the split kernels, which also make results
-bitwise reproducible; the fused paths remain sweep candidates.
+instead of five), the price of never accumulating dQ across programs. Adding dQ from the dK/dV
+kernel instead (fp32 atomic adds, or FlashAttention-3's TMA reduce-adds) measured slower on an H100
+at S = 4096: at best 369 TFLOP/s against 401 at D = 128, 155 against 204 at D = 256
+(benchmarks/results/attention_backward_sweep_dq_{tma,atomic}.json).
 
 P is recomputed in base 2: scores times scale*log2(e) minus lse*log2(e), one exp2 per element.
 With a softcap the forward's logits were softcap * tanh(scale * q.k / softcap); the backward
@@ -68,12 +61,6 @@ from .forward import band_blocks, band_diagonals, sequence_bounds, tanh, visible
 from .tiles import load_tile
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-# Where the dK/dV kernel's DQ_MODE sends dQ (module docstring).
-DQ_SEPARATE = tl.constexpr(0)  # nowhere: the dQ kernel computes it
-DQ_ATOMIC = tl.constexpr(1)  # fp32 atomic adds through pointers
-DQ_TMA = tl.constexpr(2)  # fp32 tensor-memory-accelerator reduce-adds of whole tiles (sm90)
-# DQ_MODE by `configs.BackwardConfig.dq_path`.
-DQ_MODES = {"kernel": DQ_SEPARATE.value, "atomic": DQ_ATOMIC.value, "tma": DQ_TMA.value}
 
 
 @triton.jit
@@ -157,17 +144,15 @@ def _scores_to_probabilities(qk, lse_log2, scale_log2, softcap_scale, softcap_lo
 
 
 @triton.jit
-def _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, DQ_ACC, h, i, first_m, num_first, second_m, b64,
-                    acc_b, q_tile, do_tile, dq_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo,
-                    diag_hi, softmax_scale, scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh,
-                    stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_aqb, stride_aqh,
-                    stride_aqm, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DQ_MODE: tl.constexpr,
+def _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, h, i, first_m, num_first, second_m, b64, acc_b,
+                    q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo, diag_hi, scale_log2,
+                    softcap_scale, softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
+                    stride_dom, stride_lb, stride_lh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
                     TMA: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Query head `h`'s query block `i` of a loop: one BLOCK_M block of query rows against the
     program's BLOCK_N keys, on transposed tiles. The blocks of a loop are one run from `first_m`,
-    or (masked loops) `num_first` blocks from `first_m` then the rest from `second_m`. With
-    DQ_MODE (see the kernel) it also adds this block's dQ rows to DQ_ACC."""
+    or (masked loops) `num_first` blocks from `first_m` then the rest from `second_m`."""
     h64 = h.to(tl.int64)
     if MASKED:
         start_m = tl.where(i < num_first, first_m + i * BLOCK_M, second_m + (i - num_first) * BLOCK_M)
@@ -204,23 +189,12 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, DQ_ACC, h, i, first_m,
         ds_t = ds_t * (1.0 - t * t)
     ds_t = ds_t.to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-    if DQ_MODE != DQ_SEPARATE:
-        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale
-        acc_row = q_start + start_m
-        if DQ_MODE == DQ_TMA:
-            # Rows past this sequence's end add exact zeros (their p is 0); past the tensor, TMA drops them.
-            DQ_ACC.atomic_add([acc_b, h64.to(tl.int32), acc_row, 0], dq.reshape(1, 1, BLOCK_M, BLOCK_D))
-        else:
-            acc_ptrs = DQ_ACC + (acc_b.to(tl.int64) * stride_aqb + h64 * stride_aqh + tl.cast(acc_row, tl.int64) *
-                                 stride_aqm) + dq_tile
-            tl.atomic_add(acc_ptrs, dq, mask=(rows < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :],
-                          sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attention_backward_dkdv_kernel(
-    Q, K, V, DO, LSE_LOG2, DELTA, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER,
+    Q, K, V, DO, LSE_LOG2, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER,
     softmax_scale, scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -228,12 +202,10 @@ def attention_backward_dkdv_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_aqb, stride_aqh, stride_aqm,
     stride_lb, stride_lh,
     num_heads_kv, group_size, seqlen_q, seqlen_k, total_q, total_k, num_n_blocks, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DQ_MODE: tl.constexpr, TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Key blocks of one kv head are adjacent in the grid so that they share Q and dO in L2. Under
     # causal masking the first key blocks are seen by the most query rows: heaviest run first.
@@ -254,7 +226,7 @@ def attention_backward_dkdv_kernel(
     keys = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     keys64 = (k_start + keys[:, None]).to(tl.int64)
-    acc_b = 0 if VARLEN else b  # a packed batch is one (1, H, total, D) entry of descriptors and DQ_ACC
+    acc_b = 0 if VARLEN else b  # a packed batch is one (1, H, total, D) entry of descriptors
     if TMA:
         # Key rows past a packed sequence's end hold the next sequence's keys: they only reach
         # their own dK and dV rows, which are never stored.
@@ -285,36 +257,29 @@ def attention_backward_dkdv_kernel(
     # kernel (two fp32 BLOCK_N x D accumulators plus two BLOCK_N x BLOCK_M score tiles) lacks.
     q_tile = offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
     do_tile = offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :]
-    dq_tile = offs_m[:, None].to(tl.int64) * stride_aqm + offs_d[None, :]
     # Each loop walks (query head of the group, query block) pairs with counters, the head moving
-    # on when the block count wraps. An integer division per step instead cost about 40 of the
-    # 443 SASS instructions of an unmasked step (sm90, D = 64, the TMA build), and turning lse
-    # into base 2 with its -inf check another 48; without both the step has 352, and the
-    # backward at D = 64 ran 3 to 5% faster (one-off H100 A/B, bitwise the same gradients).
+    # on when the block count wraps: an integer division per step, and lse turned into base 2 in
+    # the step, cost 88 of its 443 SASS instructions (sm90, D = 64) and 3 to 5% of the backward.
     h_first = (h_kv64 * group_size).to(tl.int32)
     h = h_first
     i = 0
     for _ in range(0, group_size * num_masked):
-        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, DQ_ACC, h, i, lo, num_before, full_hi,
-                                 b64, acc_b, q_tile, do_tile, dq_tile, offs_m, keys, offs_d,
-                                 q_start, seqlen_q, diag_lo, diag_hi, softmax_scale, scale_log2, softcap_scale,
-                                 softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_aqb, stride_aqh, stride_aqm,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, SOFTCAP, DQ_MODE, TMA, VARLEN,
-                                 DOT_PRECISION)
+        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, h, i, lo, num_before, full_hi,
+                                 b64, acc_b, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo,
+                                 diag_hi, scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh, stride_qm,
+                                 stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, HEAD_DIM, BLOCK_D,
+                                 BLOCK_M, BLOCK_N, True, SOFTCAP, TMA, VARLEN, DOT_PRECISION)
         i += 1
         h = tl.where(i == num_masked, h + 1, h)
         i = tl.where(i == num_masked, 0, i)
     h = h_first
     i = 0
     for _ in range(0, group_size * num_full):
-        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, DQ_ACC, h, i, full_lo, num_full, full_lo,
-                                 b64, acc_b, q_tile, do_tile, dq_tile, offs_m, keys, offs_d,
-                                 q_start, seqlen_q, diag_lo, diag_hi, softmax_scale, scale_log2, softcap_scale,
-                                 softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_aqb, stride_aqh, stride_aqm,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, SOFTCAP, DQ_MODE, TMA, VARLEN,
-                                 DOT_PRECISION)
+        dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, h, i, full_lo, num_full, full_lo,
+                                 b64, acc_b, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo,
+                                 diag_hi, scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh, stride_qm,
+                                 stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, HEAD_DIM, BLOCK_D,
+                                 BLOCK_M, BLOCK_N, False, SOFTCAP, TMA, VARLEN, DOT_PRECISION)
         i += 1
         h = tl.where(i == num_full, h + 1, h)
         i = tl.where(i == num_full, 0, i)

@@ -18,15 +18,16 @@ needed (`warpgroup_mma_wait(n)`: at most n products of this warpgroup still in f
 One program holds a resident block of 64 or 128 rows (keys for dK/dV, queries for dQ), each
 warpgroup 64 of them; with two warpgroups on 64 rows they split the columns instead, which halves
 each one's accumulators (D = 256: 64 x 128 of dK and of dV per warpgroup, no spills), the score
-tiles reaching the other warpgroup's products through shared memory. The streamed tiles arrive
-by TMA into NUM_STAGES buffers, each with its own mbarrier, refilled as soon as the products
-reading them are retired. Inputs and gradients go through 4-D (batch, head, seq, head_dim)
-descriptors: loads past the end are zero-filled and stores past it dropped. Streamed query rows past Sq read lse = -inf (as +inf: p = 0) and
-delta = 0, so only blocks on the band's edges are masked; streamed key rows past Sk are zero and
-masked with the band's right edge (`band_blocks` marks the partial last key block as an edge).
-Each output element is summed by one program in a fixed order: gradients are reproducible.
-
-The fused backward (dQ added by the dK/dV program, no dQ kernel) is `backward_fused.py`.
+tiles reaching the other warpgroup's products through shared memory. The streamed tiles arrive by
+TMA into NUM_STAGES buffers, each with its own mbarrier, refilled as soon as the products reading
+them are retired. Inputs and gradients go through 4-D (batch, head, seq, head_dim) descriptors:
+loads past the end are zero-filled and stores past it dropped. Streamed query rows past Sq read
+lse = -inf (as +inf: p = 0) and delta = 0, so only blocks on the band's edges are masked; streamed
+key rows past Sk are zero and masked with the band's right edge (`band_blocks` marks the partial
+last key block as an edge). Each output element is summed by one program in a fixed order:
+gradients are reproducible. A fused variant (dQ added by the dK/dV program with TMA reduce-adds,
+no dQ kernel) measured slower on an H100: 367 against 453 TFLOP/s at D = 128, S = 4096, 356
+against 376 at D = 64 (benchmarks/results/attention_backward_sweep_gluon_dq_tma.json).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

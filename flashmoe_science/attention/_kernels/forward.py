@@ -19,7 +19,6 @@ each sequence's start, and programs past a short sequence's end return at once.
 import triton
 import triton.language as tl
 
-from .exp2 import exp2_split
 from .tiles import load_tile
 
 UNBOUNDED = tl.constexpr(1 << 30)
@@ -146,7 +145,7 @@ def band_edge_mask(s, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, EDGES
 @triton.jit
 def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
                  softcap_scale, softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                 EXP_POLY: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = TF32):
+                 DOT_PRECISION: tl.constexpr = TF32):
     """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits s * mult
     (softcapped if asked), masked to the band on edge blocks (MASKED: NO_EDGE, RIGHT_EDGE or
     BOTH_EDGES, `band_edge_mask`), then rescale and accumulate p.v.
@@ -154,9 +153,7 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_l
     The multiplier is folded into the exponent's one FMA and the row maximum is taken over the
     unscaled scores: max(s) * mult = max(s * mult) as mult > 0 (`hopper.positive_scale` negates q
     for a negative softmax_scale and raises a zero one to MIN_SCALE, so masked scores stay -inf
-    after the multiply). On the blocks every row fully sees (the bulk of the work), EXP_POLY of every
-    four exponentials run on the FMA pipes (`exp2.exp2_split`; 0 under the interpreter, which
-    has no inline PTX)."""
+    after the multiply)."""
     if SOFTCAP:
         s = tanh(qk * softcap_scale)  # softcap * tanh(score / softcap) = softcap_log2 * s in base 2
         mult = softcap_log2
@@ -172,7 +169,7 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_l
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
         m_sub = m_new
-        p = exp2_split(s * mult - m_sub[:, None], EXP_POLY)
+        p = tl.math.exp2(s * mult - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -201,7 +198,7 @@ def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, off
     v = load_tile(v_ptrs + start64 * stride_vn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != NO_EDGE)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     return softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
-                        softcap_scale, softcap_log2, MASKED, SOFTCAP, 0, DOT_PRECISION)
+                        softcap_scale, softcap_log2, MASKED, SOFTCAP, DOT_PRECISION)
 
 
 @triton.jit

@@ -32,18 +32,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .exp2 import exp2_split
 from .forward import BOTH_EDGES, NO_EDGE, RIGHT_EDGE, band_blocks, band_diagonals
 
 
 @gluon.jit
 def _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2, EDGES: gl.constexpr,
-             ROW_BOUNDS: gl.constexpr, EXP_POLY: gl.constexpr):
+             ROW_BOUNDS: gl.constexpr):
     """One key block of the online softmax in base 2 (as `forward.softmax_step`): returns the
     probabilities p, the new row sums and maxima, and alpha, the factor that rescales O. Masked
     blocks (EDGES) compare each score's key with its row's bounds (ROW_BOUNDS, as
     `forward.band_edge_mask`) or its diagonal with the band's (fewer registers a thread); unmasked
-    ones compute EXP_POLY of every four exponentials on the FMA pipes (`exp2.exp2_split`)."""
+    ones skip the compares."""
     if EDGES != NO_EDGE:
         if ROW_BOUNDS:
             visible = offs_n[None, :] < (gl.minimum(offs_m + (diag_hi + 1), seqlen_k) - start_n)[:, None]
@@ -60,7 +59,7 @@ def _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, s
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         m_sub = m_new
-        p = exp2_split(s * scale_log2 - m_sub[:, None], EXP_POLY)
+        p = gl.exp2(s * scale_log2 - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, l_i, m_new, alpha
@@ -68,7 +67,7 @@ def _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, s
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k, diag_lo, diag_hi, scale_log2,
-                   ROW_BOUNDS: gl.constexpr, EXP_POLY: gl.constexpr):
+                   ROW_BOUNDS: gl.constexpr):
     """`_softmax` of the key block at start_n: masked on the band's edges, plain in [full_lo, full_hi).
     With ROW_BOUNDS, blocks right of the left edge compare with the right bound alone. Without
     (`_consume_tile` sets it for two consumers up to D = 128), one masked copy of the softmax
@@ -78,19 +77,19 @@ def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqle
     if ROW_BOUNDS:
         if start_n >= full_hi:
             p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
-                                          scale_log2, RIGHT_EDGE, True, EXP_POLY)
+                                          scale_log2, RIGHT_EDGE, True)
         elif start_n < full_lo:
             p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
-                                          scale_log2, BOTH_EDGES, True, EXP_POLY)
+                                          scale_log2, BOTH_EDGES, True)
         else:
             p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
-                                          scale_log2, NO_EDGE, True, EXP_POLY)
+                                          scale_log2, NO_EDGE, True)
     elif (start_n < full_lo) | (start_n >= full_hi):
         p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
-                                      BOTH_EDGES, False, EXP_POLY)
+                                      BOTH_EDGES, False)
     else:
         p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
-                                      NO_EDGE, False, EXP_POLY)
+                                      NO_EDGE, False)
     return p, l_i, m_i, alpha
 
 
@@ -211,7 +210,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
                   seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                  SEPARATE_O: gl.constexpr, EXP_POLY: gl.constexpr):
+                  SEPARATE_O: gl.constexpr):
     """Consumer C's rows [C * BLOCK_M, (C + 1) * BLOCK_M) of one tile; `it` counts buffer uses
     across tiles (returned after this tile). It computes only the key blocks its own rows meet,
     gives the tile's others back unread, and releases each K and V buffer as soon as its own
@@ -263,8 +262,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(use % NUM_STAGES), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + first * BLOCK_N, full_lo, full_hi,
-                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS,
-                                              EXP_POLY)
+                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
     for j in range(first + 1, last):
@@ -279,8 +277,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + j * BLOCK_N, full_lo, full_hi,
-                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS,
-                                              EXP_POLY)
+                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
@@ -323,7 +320,7 @@ def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_r
               batch_heads, section, window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
-              PERSISTENT: gl.constexpr, EXP_POLY: gl.constexpr):
+              PERSISTENT: gl.constexpr):
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
     if PERSISTENT:
         num_tiles = batch_heads * num_m_blocks
@@ -335,12 +332,12 @@ def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_r
                                    q_empty, k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh,
                                    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                                    diag_lo, diag_hi, C, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE,
-                                   NUM_CONSUMERS, SEPARATE_O, EXP_POLY)
+                                   NUM_CONSUMERS, SEPARATE_O)
     else:
         _consume_tile(gl.program_id(0), 0, 0, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                       k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size,
                       seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C, BLOCK_M, BLOCK_N,
-                      BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, EXP_POLY)
+                      BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
     tma.store_wait(0)
 
 
@@ -351,15 +348,16 @@ def attention_forward_gluon_kernel(
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
-    PERSISTENT: gl.constexpr, EXP_POLY: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
     """num_warps = 4 (the first consumer), NUM_CONSUMERS - 1 more four-warp consumers and a one-warp
     producer; NUM_CONSUMERS * BLOCK_M query rows per tile of `_tile_coordinates`' order. PERSISTENT:
     one program per SM, taking tiles as `_schedule` deals them; else one program per tile. (One
-    program per SM either way: the buffers fill shared memory.) The warpgroups share the register file: the producer's drops to 24 registers a thread
-    and the consumers split the rest (240 each for two, 160 each for three). With SEPARATE_O the
-    output leaves through its own buffers, so the next tile's Q loads while this one's last
-    products run; without it (where shared memory is short) through Q's."""
+    program per SM either way: the buffers fill shared memory.) The warpgroups share the register
+    file: the producer's drops to 24 registers a thread and the consumers split the rest (240 each
+    for two, 160 each for three). With SEPARATE_O the output leaves through its own buffers, so the
+    next tile's Q loads while this one's last products run; without it (where shared memory is
+    short) through Q's."""
     gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
@@ -390,13 +388,11 @@ def attention_forward_gluon_kernel(
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
-                         EXP_POLY)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
-                         EXP_POLY)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                          window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
@@ -406,18 +402,15 @@ def attention_forward_gluon_kernel(
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
-                         EXP_POLY)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
-                         EXP_POLY)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 2, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT,
-                         EXP_POLY)),
+                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                          window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),

@@ -5,10 +5,8 @@ Q, K, V and O are addressed through 4-D tensor descriptors over (batch, head, se
 the caller's strides, so (B, S, H, D).transpose(1, 2) views need no copy. A descriptor load
 fills rows past the end of the sequence, and columns past head_dim, with zeros; a descriptor
 store drops them. So no load or store carries a mask: only scores on the band's edges are
-masked, exactly as in the generic kernel. With WARP_SPECIALIZE, Triton splits the unmasked
-loop into a producer warp issuing TMA copies and consumer warpgroups issuing wgmma, so memory
-traffic overlaps the matrix and exponential work. EXP_POLY of every four exponentials of the
-unmasked blocks run on the FMA pipes (`exp2.py`).
+masked, exactly as in the generic kernel. The dispatcher takes it where the Gluon kernel
+(`forward_gluon.py`) has no build: softcap, and head dim 64 causal calls of fewer keys.
 """
 import triton
 import triton.language as tl
@@ -19,14 +17,13 @@ from .forward import BOTH_EDGES, NO_EDGE, RIGHT_EDGE, finish, program_coordinate
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, lo, hi, offs_m, offs_n, seqlen_k, diag_lo, diag_hi,
                   scale_log2, softcap_scale, softcap_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                  EXP_POLY: tl.constexpr):
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    for start_n in tl.range(lo, hi, BLOCK_N):
         k = desc_k.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         v = desc_v.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
-                                     scale_log2, softcap_scale, softcap_log2, MASKED, SOFTCAP, EXP_POLY)
+                                     scale_log2, softcap_scale, softcap_log2, MASKED, SOFTCAP)
     return acc, l_i, m_i
 
 
@@ -37,8 +34,7 @@ def attention_forward_hopper_kernel(
     stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    EXP_POLY: tl.constexpr,
+    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
 
@@ -54,13 +50,13 @@ def attention_forward_hopper_kernel(
                                                                BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, lo, tl.minimum(full_lo, hi), offs_m,
                                   offs_n, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, BOTH_EDGES, SOFTCAP, False, 0)
+                                  BLOCK_N, BLOCK_D, BOTH_EDGES, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, full_lo, full_hi, offs_m, offs_n,
                                   seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, NO_EDGE, SOFTCAP, WARP_SPECIALIZE, EXP_POLY)
+                                  BLOCK_N, BLOCK_D, NO_EDGE, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, full_hi, hi, offs_m, offs_n,
                                   seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, RIGHT_EDGE, SOFTCAP, False, 0)
+                                  BLOCK_N, BLOCK_D, RIGHT_EDGE, SOFTCAP)
 
     out, lse = finish(acc, l_i, m_i)
     desc_o.store([b, h, pid_m * BLOCK_M, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))

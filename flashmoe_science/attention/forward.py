@@ -1,0 +1,259 @@
+"""The attention forward: which kernel runs for a call, and its launch.
+
+`attention_forward` makes a call's plan (`ForwardPlan`) once per set of shapes, strides, dtypes,
+devices and options, caches it under those facts (`plan_key`), and `launch_forward` allocates
+the outputs and launches the plan's kernel. Packed variable-length calls (`varlen.py`) make
+their own plans of the same class and launch through `launch_forward` too. Which kernel runs
+(the kernels live in `_kernels/`, their tables in `configs.py`):
+
+- sm90, dense 16-bit calls of at least `HOPPER_MIN_FLOPS` whose tensors TMA can address:
+  - no softcap, at a head dim and key count `GLUON_FORWARD` lists: the Gluon kernel,
+    `forward_gluon.attention_forward_gluon_kernel` (`launch_gluon`);
+  - otherwise the Triton TMA kernel, `forward_hopper.attention_forward_hopper_kernel`
+    (`launch_tma`, `HOPPER_FORWARD`).
+- Every other call (fp32, packed, small, not unit-strided in D, any other GPU, the CPU
+  interpreter): `forward.attention_forward_kernel` (`FORWARD`, by device family, dtype and
+  padded head dim; `forward_config` picks the short or long tile).
+
+A negative softmax_scale runs as a positive one on -q (`positive_scale`), the one place the
+scale changes before it reaches a kernel (as scale * log2(e), the kernels working in base 2).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..device import info_for
+from ..flops import attention_flops
+from ..launch import KernelLauncher, PlanCache
+from . import descriptors
+from ._kernels.forward import MIN_SCALE, attention_forward_kernel
+from ._kernels.forward_gluon import attention_forward_gluon_kernel
+from ._kernels.forward_hopper import attention_forward_hopper_kernel
+from .checks import NO_WINDOW, check_band, check_inputs, check_options
+from .configs import (forward_config, gluon_forward_section, gluon_forward_tiles, gluon_persistent,
+                      gluon_separate_output, head_dim_block, hopper_forward_config)
+from .layouts import cdiv, dense_strides, kernel_window, row_strides, token_totals
+
+LOG2E = 1.4426950408889634
+_FORWARD = KernelLauncher("attention_forward", attention_forward_kernel, fp32_dots=True)
+_HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_kernel)
+_GLUON = KernelLauncher("attention_forward_gluon", attention_forward_gluon_kernel)
+PLANS = PlanCache()
+
+
+class ForwardPlan:
+    """Everything about a forward call that depends only on its shapes, strides, dtypes and options.
+
+    Dense calls: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D). Packed variable-length calls: q
+    (total_q, Hq, D), k and v (total_k, Hkv, D), `batch` sequences of at most `seqlen_q` queries
+    and `seqlen_k` keys; lse is then (Hq, total_q).
+    """
+
+    __slots__ = ("empty", "contiguous", "config", "grid", "default_scale", "softcap", "packed", "lse_shape",
+                 "device_index", "kernel_options", "launch_tail", "hopper", "window", "causal", "out_strides")
+
+    def __init__(self, q, k, v, batch, seqlen_q, seqlen_k, causal, window_size, softcap, write_lse, packed,
+                 config=None):
+        heads_q, head_dim = q.shape[1], q.shape[-1]
+        self.contiguous = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+        # `output_like` of the q the kernel runs on (a contiguous copy where `contiguous`)
+        self.out_strides = dense_strides(q.shape, None if self.contiguous else q.stride())
+        self.empty = q.numel() == 0
+        self.default_scale = 1.0 / math.sqrt(head_dim)
+        self.softcap = float(softcap)
+        self.packed = packed
+        self.lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
+        self.device_index = q.device.index if q.device.type == "cuda" else None
+        cfg = self.config = config or forward_config(info_for(q), q.element_size(), head_dim, seqlen_q,
+                                                     batch * heads_q, packed)
+        num_m_blocks = cdiv(seqlen_q, cfg.block_m)
+        self.grid = (num_m_blocks * batch * heads_q, 1, 1)
+        lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
+        # The kernel arguments after the tensors' strides; the strides join them at the first
+        # launch, once the output (whose layout follows q's) exists.
+        self.kernel_options = (*lse_strides, heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k,
+                               *token_totals(q, k, packed), num_m_blocks,
+                               *kernel_window(causal, window_size), head_dim, head_dim_block(head_dim),
+                               cfg.block_m, cfg.block_n, causal, softcap > 0, packed, write_lse)
+        self.launch_tail = None
+        self.causal = causal
+        self.window = kernel_window(causal, window_size)
+        # Large dense 16-bit calls on sm90 take the TMA kernels when the tensors allow it.
+        flops = attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim)
+        self.hopper = None
+        if config is None and not packed and not self.contiguous and q.is_cuda:
+            masked = causal or any(w >= 0 for w in window_size)
+            hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops, softcap > 0, masked,
+                                               seqlen_k)
+            if hopper_cfg is not None and descriptors.supports(q, k, v):
+                self.hopper = hopper_cfg
+
+
+def plan_key(q, k, v, causal, window_size, softcap, write_lse):
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, causal, window_size, softcap, write_lse,
+            q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+
+
+def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
+                sequence_order=None):
+    """Launches the forward kernel for a plan: returns (out, lse), lse None unless `write_lse`.
+    `key` (None: Triton's ordinary launch path) must determine the plan, as `plan_key` does.
+    Packed batches pass their cumulative lengths and `sequence_order` (`varlen.longest_first`)."""
+    if plan.contiguous:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_strided(q.shape, plan.out_strides, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if write_lse else None
+    if plan.empty:
+        return out, lse
+    scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
+    q, scale = positive_scale(q, scale)
+    softcap = plan.softcap
+    if plan.hopper is not None:
+        gluon, cfg = plan.hopper
+        if gluon:
+            launch_gluon(q, k, v, out, lse, scale, cfg, plan.window, causal=plan.causal,
+                         device_index=plan.device_index, key=key)
+        else:
+            launch_tma(q, k, v, out, lse, scale, softcap, cfg, plan.window, causal=plan.causal,
+                       device_index=plan.device_index, key=key)
+        return out, lse
+    tail = plan.launch_tail
+    if tail is None:
+        packed = plan.packed
+        tail = plan.launch_tail = (*row_strides(q.stride(), packed), *row_strides(k.stride(), packed),
+                                   *row_strides(v.stride(), packed), *row_strides(out.stride(), packed)
+                                   ) + plan.kernel_options
+    cfg = plan.config
+    scales = (scale * LOG2E, scale / softcap if softcap else 0.0, softcap * LOG2E)
+    _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, cu_seqlens_q, cu_seqlens_k,
+                                     sequence_order, *scales) + tail,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
+    return out, lse
+
+
+def positive_scale(q, scale: float):
+    """(q, scale) as the forward kernels take them: a positive scale. They take row maxima over
+    unscaled scores and mask scores to -inf before scaling them (`forward.softmax_step`), so a
+    negative scale runs as (-q).k * -scale, with -q in q's own strides (the caller's plan key and
+    launch strides still describe it), and a zero one at MIN_SCALE (the same uniform weights)."""
+    if scale < 0:
+        q, scale = _negated_in_place_layout(q), -scale
+    return q, max(scale, MIN_SCALE)
+
+
+def _negated_in_place_layout(q: torch.Tensor) -> torch.Tensor:
+    """-q with q's shape and strides: the span of memory q's elements cover, negated into a new
+    buffer and viewed with q's strides. Works for every strided q, also expanded (stride 0) or
+    otherwise overlapping ones, which no tensor written element by element can share strides with."""
+    if q.numel() == 0:
+        return q
+    span = 1 + sum((n - 1) * st for n, st in zip(q.shape, q.stride()))
+    region = q.as_strided((span,), (1,), q.storage_offset())
+    return torch.neg(region).as_strided(q.shape, q.stride())
+
+
+def launch_tma(q, k, v, out, lse, scale, softcap, config, window, *, causal, device_index=None,
+               key=None) -> None:
+    """The Triton TMA kernel (`_kernels/forward_hopper.py`): writes out (and lse, (B, Hq, Sq)
+    float32, unless None) for dense q (B, Hq, Sq, D) and k, v (B, Hkv, Sk, D); `window` is the
+    kernel's (window_left, window_right); scale >= 0 (callers negate q for a negative one). `key` as
+    for `KernelLauncher.launch`: the descriptors are built per call (they hold data pointers), and
+    what Triton specialises on, their dtype and tile shape, follows from the dtypes and `config`,
+    which the caller's key determines."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    block_d = head_dim_block(head_dim)
+
+    def describe(t, rows):
+        return descriptors.tma_descriptor(t, rows, block_d)
+
+    num_m_blocks = -(-seqlen_q // config.block_m)
+    _HOPPER.launch(
+        key, (num_m_blocks * batch * heads_q, 1, 1),
+        (describe(q, config.block_m), describe(k, config.block_n), describe(v, config.block_n),
+         describe(out, config.block_m), out if lse is None else lse,
+         scale * LOG2E, scale / softcap if softcap else 0.0, softcap * LOG2E, heads_q * seqlen_q, seqlen_q,
+         heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
+         block_d, config.block_m, config.block_n, causal, softcap > 0, lse is not None),
+        num_warps=config.num_warps, num_stages=config.num_stages, device_index=device_index)
+
+
+def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, persistent=None, device_index=None,
+                 key=None) -> None:
+    """As `launch_tma`, through the Gluon kernel (`_kernels/forward_gluon.py`): no softcap;
+    config.block_m query rows per tile, 16 per warp of its four-warp consumers (config.num_warps
+    is a consumer's), so block_m = 128 runs two consumers and 192 three. `persistent` (default:
+    `configs.gluon_persistent`): one program per SM walks the tiles; else one program per tile."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    block_d = head_dim_block(head_dim)
+    rows, consumers = gluon_forward_tiles(config)
+    num_m_blocks = -(-seqlen_q // config.block_m)
+    tiles = num_m_blocks * batch * heads_q
+    if persistent is None:
+        persistent = gluon_persistent(causal, seqlen_k)
+    programs = min(tiles, info_for(q).sm_count) if persistent else tiles
+    section = gluon_forward_section(heads_q // heads_kv, seqlen_k, block_d, q.element_size(), causal and not persistent)
+
+    def describe(t, tile_rows):
+        return descriptors.gluon_descriptor(t, tile_rows, block_d)
+
+    _GLUON.launch(
+        key, (programs, 1, 1),
+        (describe(q, rows), describe(k, config.block_n), describe(v, config.block_n), describe(out, rows),
+         out if lse is None else lse, scale * LOG2E, heads_q * seqlen_q, seqlen_q,
+         heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks, batch * heads_q, section, *window,
+         rows, config.block_n, block_d, config.num_stages, causal, lse is not None, consumers,
+         gluon_separate_output(config, block_d), persistent),
+        num_warps=4, num_stages=1, device_index=device_index)
+
+
+def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_lse: bool, config=None,
+                      window_size=NO_WINDOW, softcap: float = 0.0):
+    """Runs the forward kernel on dense inputs: returns (out, lse) with lse None unless `write_lse`.
+
+    `config` forces an AttentionConfig (for tuning sweeps); such calls take Triton's ordinary,
+    uncached launch path, as do calls whose window_size is a list rather than a tuple.
+    """
+    # The options' types and values are checked on every call (a cached plan's key compares
+    # causal=1 equal to True and window (1.0, 2) equal to (1, 2)); the tensors' facts are the key.
+    check_options(causal, softmax_scale)
+    window_size = check_band(window_size, softcap)
+    key = plan = None
+    if config is None:
+        try:
+            key = plan_key(q, k, v, causal, window_size, softcap, write_lse)
+            plan = PLANS.get(key)
+        except AttributeError:  # not tensors: the checks say which
+            key = None
+    if plan is None:
+        check_inputs(q, k, v)
+        plan = ForwardPlan(q, k, v, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, write_lse,
+                            False, config)
+        if key is not None:
+            PLANS.remember(key, plan)
+    return launch_forward(plan, key, q, k, v, None, None, softmax_scale, write_lse)
+
+
+def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, gluon: bool = False,
+                             persistent: bool | None = None, write_lse: bool = False, window_size=NO_WINDOW):
+    """Forward through the Hopper Triton kernel, or the Gluon kernel with `gluon` (`persistent` as
+    for `launch_gluon`), with an explicit AttentionConfig (for sweeps); returns (out, lse).
+
+    q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true;
+    window_size as for `flash_attention_science` (with causal, the right bound is 0).
+    """
+    q, softmax_scale = positive_scale(q, softmax_scale)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
+    left, right = window_size
+    window = (left, 0 if causal else right)
+    if gluon:
+        launch_gluon(q, k, v, out, lse, softmax_scale, config, window, causal=causal, persistent=persistent,
+                     device_index=q.device.index)
+    else:
+        launch_tma(q, k, v, out, lse, softmax_scale, 0.0, config, window, causal=causal,
+                   device_index=q.device.index)
+    return out, lse

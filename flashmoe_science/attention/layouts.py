@@ -1,0 +1,56 @@
+"""How a call's tensors and options become the kernels' arguments: the (batch, head, row) strides
+of dense and packed tensors, the layout of outputs, the band as the kernels take it, and the
+token totals packed batches clamp their cumulative lengths to."""
+from __future__ import annotations
+
+import torch
+
+# A window bound this wide is unbounded for any sequence the kernels can address; wider ones are
+# clamped to it so that the kernels' int32 band arithmetic (row + bound) cannot overflow.
+WIDEST_WINDOW = 1 << 30
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_strides(s: tuple, packed: bool) -> tuple:
+    """The (batch, head, row) strides the kernels take from a tensor's strides s: those of a
+    (B, H, S, D) tensor, or for a packed (total, H, D) one batch stride 0 (programs find a
+    sequence by its first row)."""
+    return (0, s[1], s[0]) if packed else tuple(s[:3])
+
+
+def token_totals(q, k, packed: bool) -> tuple[int, int]:
+    """(total_q, total_k) of a packed batch, the bounds the kernels clamp cu_seqlens to
+    (`_kernels/forward.sequence_bounds`); (0, 0), unused, for a dense one."""
+    return (q.shape[0], k.shape[0]) if packed else (0, 0)
+
+
+def kernel_window(causal: bool, window_size) -> tuple[int, int]:
+    """(window_left, window_right) as the kernels take them: -1 unbounded, right = 0 when causal."""
+    left, right = (min(w, WIDEST_WINDOW) for w in window_size)
+    return left, 0 if causal else right
+
+
+def output_like(q: torch.Tensor) -> torch.Tensor:
+    """A dense tensor shaped like q whose dimensions lie in memory in the order of q's strides,
+    so a (B, S, H, D).transpose(1, 2) view gets a (B, S, H, D) result: also when q is a slice of
+    a packed QKV projection, where empty_like falls back to a contiguous (B, H, S, D) tensor and
+    the caller's transpose back to (B, S, H * D) would cost a copy."""
+    return torch.empty_strided(q.shape, dense_strides(q.shape, q.stride()), dtype=q.dtype, device=q.device)
+
+
+def dense_strides(shape, strides=None) -> tuple:
+    """The strides of `output_like` for a tensor of this shape and these strides: its dimensions'
+    memory order, densely packed; contiguous where strides is None or its last stride is not 1."""
+    last = len(shape) - 1
+    if strides is None or strides[last] != 1:
+        strides = range(len(shape), 0, -1)  # any decreasing strides: row-major order
+    # Outermost first, stable on ties; a size-1 head dim with a tied stride stays innermost.
+    order = sorted(range(last), key=lambda i: -strides[i]) + [last]
+    dense, step = [0] * len(shape), 1
+    for i in reversed(order):
+        dense[i] = step
+        step *= max(shape[i], 1)
+    return tuple(dense)
