@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
-#           attention-fwd+bwd attention-varlen-window attention-calls moe moe-fwd+bwd moe-train moe-sweep
+#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train moe-sweep
 #           moe-bwd-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
@@ -64,6 +64,7 @@ for stage in "${stages[@]}"; do
     attention-fwd+bwd) bench attention --mode fwd+bwd --sections throughput ;;
     attention-varlen-window) bench attention --mode fwd+bwd --sections varlen,window --no-plot ;;
     attention-calls) bench attention --mode fwd+bwd --sections calls --no-plot ;;
+    attention-decode) bench attention --mode decode --no-plot ;;
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;

@@ -13,6 +13,7 @@ _EXPORTS = {
     "flash_attention_backward": "flashmoe_science.attention",
     "flash_attention_varlen": "flashmoe_science.attention",
     "flash_attention_qkvpacked": "flashmoe_science.attention",
+    "flash_attention_with_kvcache": "flashmoe_science.attention",
     "moe_route": "flashmoe_science.moe",
     "fused_experts": "flashmoe_science.moe",
     "fused_moe": "flashmoe_science.moe",

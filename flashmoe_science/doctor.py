@@ -67,7 +67,8 @@ def _print_launches(records, gpu: bool) -> None:
 
 def _attention_cases(gpu: bool, quick: bool):
     if not gpu:
-        return [(1, 2, 1, 33, 47, 64, torch.float16, True), (1, 2, 2, 20, 20, 40, torch.float32, False)]
+        return [(1, 2, 1, 33, 47, 64, torch.float16, True), (1, 2, 2, 20, 20, 40, torch.float32, False),
+                (1, 8, 2, 1, 600, 64, torch.float16, True)]
     cases = [(4, 16, 16, 2048, 2048, 128, torch.bfloat16, True),
              (2, 16, 4, 777, 1500, 64, torch.float16, False),
              (4, 16, 16, 2048, 2048, 64, torch.bfloat16, True),
@@ -91,8 +92,8 @@ def _check_attention(gpu: bool, quick: bool) -> bool:
         v = torch.randn(batch, sk, hkv, d, dtype=dtype, device=device).transpose(1, 2)
         clear_records()
         out = flash_attention_science(q, k, v, causal=causal)
-        record = next(filter(None, map(last_launch, ("attention_forward_gluon", "attention_forward_hopper",
-                                                     "attention_forward"))), None)
+        record = next(filter(None, map(last_launch, ("attention_decode_split", "attention_forward_gluon",
+                                                     "attention_forward_hopper", "attention_forward"))), None)
         ref, _ = attention_reference(q, k, v, causal=causal)
         group = hq // hkv
         kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)

@@ -187,3 +187,13 @@ def test_calls_section_rows_and_report():
     assert "| B, H, S, D | ours packed µs/call | ours on views µs/call | SDPA µs/call |" in rendered
     assert "| 1, 2, 24, 32 |" in rendered
 
+
+def test_decode_mode_checks_each_cache_layout_against_float64():
+    """Without a GPU the decode mode runs its tiny grid through the interpreter: every cache
+    layout's error, no timings."""
+    result = attention.run(parse("--mode", "decode"))
+    rows = result["rows"]
+    assert result["name"] == "attention_decode"
+    assert {r["impl"] for r in rows} == {"ours", "ours_paged16"}
+    assert all(r["rel_err"] < 1e-5 for r in rows)
+

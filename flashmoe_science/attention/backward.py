@@ -36,8 +36,7 @@ from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, atten
 from .checks import NO_WINDOW, check_backward_tensors, check_band, check_inputs, check_options
 from .configs import (HOPPER_MIN_FLOPS, PREPROCESS_WARPS, backward_config, dkdv_maxnreg, gluon_backward_config,
                       head_dim_block, preprocess_block_m)
-from .forward import LOG2E
-from .layouts import cdiv, dense_strides, kernel_window, row_strides, token_totals
+from .layouts import LOG2E, cdiv, dense_strides, kernel_window, row_strides, token_totals
 
 _PREPROCESS = KernelLauncher("attention_backward_preprocess", attention_backward_preprocess_kernel)
 _DKDV = KernelLauncher("attention_backward_dkdv", attention_backward_dkdv_kernel, fp32_dots=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from itertools import product
 
 from ..kernel_build import KernelBuild
-from .configs import (HOPPER_FORWARD, PREPROCESS_WARPS, BackwardConfig, backward_configs, dkdv_maxnreg,
-                      forward_configs, gluon_forward_configs, gluon_forward_tiles,
+from .configs import (DECODE_COMBINE_BLOCK_M, HOPPER_FORWARD, PREPROCESS_WARPS, BackwardConfig, backward_configs, decode_configs,
+                      dkdv_maxnreg, forward_configs, gluon_forward_configs, gluon_forward_tiles,
                       gluon_separate_output, preprocess_block_m)
 
 
@@ -44,6 +44,44 @@ def shipped_builds(capability: int):
                          "stride_oh", "stride_om"))
     yield from _hopper_builds(capability)
     yield from _backward_builds(capability)
+    yield from _decode_builds()
+
+
+def _decode_builds():
+    """The KV-cache kernels' builds: the split kernel per configuration, plain (a contiguous cache,
+    an int length) and with every option on (paged, softcap, a lengths tensor); the combine and
+    append kernels per dtype and head dim."""
+    from ._kernels.decode import attention_decode_combine_kernel, attention_decode_split_kernel, kv_cache_append_kernel
+
+    ptr = {2: "*fp16", 4: "*fp32"}
+    for element_size, block_d, cfg in decode_configs():
+        for paged, softcap in ((False, False), (True, True)):
+            sig = {name: "i32" for name in attention_decode_split_kernel.arg_names}
+            sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O_PART="*fp32",
+                       LSE_PART="*fp32", CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", scale_log2="fp32",
+                       softcap_scale="fp32", softcap_log2="fp32")
+            constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              PAGE_SIZE=16 if paged else 0, SOFTCAP=softcap, LENGTHS_TENSOR=paged)
+            sig.update({name: "constexpr" for name in constexprs})
+            yield KernelBuild(label=f"attention_decode_split fp{8 * element_size} D={block_d} paged={paged} {cfg}",
+                              fn=attention_decode_split_kernel, signature=sig, constexprs=constexprs,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              aligned=("Q", "K", "V", "O_PART", "LSE_PART", "stride_qb", "stride_qm", "stride_qh",
+                                       "stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh"))
+    for element_size, block_d in product((2, 4), (16, 32, 64, 128, 256)):
+        sig = {name: "i32" for name in attention_decode_combine_kernel.arg_names}
+        sig.update(O_PART="*fp32", LSE_PART="*fp32", OUT=ptr[element_size], LSE="*fp32")
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=DECODE_COMBINE_BLOCK_M, WRITE_LSE=True)
+        sig.update({name: "constexpr" for name in constexprs})
+        yield KernelBuild(label=f"attention_decode_combine fp{8 * element_size} D={block_d}",
+                          fn=attention_decode_combine_kernel, signature=sig, constexprs=constexprs, num_warps=4,
+                          num_stages=1, aligned=("O_PART", "LSE_PART", "OUT"))
+        sig = {name: "i32" for name in kv_cache_append_kernel.arg_names}
+        sig.update(NEW=ptr[element_size], CACHE=ptr[element_size], CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32")
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, PAGE_SIZE=16, LENGTHS_TENSOR=True)
+        sig.update({name: "constexpr" for name in constexprs})
+        yield KernelBuild(label=f"kv_cache_append fp{8 * element_size} D={block_d}", fn=kv_cache_append_kernel,
+                          signature=sig, constexprs=constexprs, num_warps=1, num_stages=1, aligned=("NEW", "CACHE"))
 
 
 def _hopper_builds(capability: int):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from itertools import product
+
 from ..device import DeviceInfo
 
 
@@ -376,4 +378,57 @@ def dkdv_maxnreg(dkdv: AttentionConfig, tma: bool, softcap: bool, varlen: bool) 
     take more registers (ptxas: 233 to 255 a thread at D = 64 unbounded) and would spill
     hundreds of bytes under it."""
     return dkdv.maxnreg if tma and not softcap and not varlen else None
+
+
+# The KV-cache kernels (`_kernels/decode.py`), by element bytes: BLOCK_N keys per step, warps and
+# stages; BLOCK_M, the tile's query rows (Sq times the GQA group), is the smallest power of two
+# from 16 holding them, up to DECODE_MAX_BLOCK_M (fp32 32, and 16 above head dim 128: 3xTF32
+# products hold each operand twice; 32 x 256 needed 102400 bytes of shared memory, over the
+# 99 KB parts' limit), and a padded head dim above 128 halves BLOCK_N. Untuned: the GPU benchmark of
+# `bench attention --mode decode` is still to come.
+DECODE = {2: AttentionConfig(64, 64, 4, 2), 4: AttentionConfig(32, 32, 4, 2)}
+DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
+# Query rows per program of the combine kernel, which streams the splits' partials: small tiles
+# keep its fp32 accumulator in registers (64 rows at head dim 256 spilled 332 bytes on sm90).
+DECODE_COMBINE_BLOCK_M = 16
+# Split-KV aims at this many programs per SM, each split keeping at least this many key blocks.
+DECODE_WAVES = 2
+DECODE_MIN_SPLIT_BLOCKS = 4
+# Dense calls whose query rows per KV head (Sq x group) fit one decode tile, against at least this
+# many keys (and 8 per query), take the KV-cache kernels (`forward.ForwardPlan`): one program per
+# (batch, head, query block) would leave most SMs idle and read each group's K and V once per head.
+DECODE_MIN_KEYS = 512
+
+
+def takes_decode(element_size: int, seqlen_q: int, group_size: int, seqlen_k: int) -> bool:
+    """Whether a dense forward call runs the KV-cache kernels (split-KV, GQA packing)."""
+    return (seqlen_q * group_size <= DECODE_MAX_BLOCK_M[element_size] and seqlen_k >= DECODE_MIN_KEYS
+            and seqlen_k >= 8 * seqlen_q)
+
+
+def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int) -> AttentionConfig:
+    """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head)."""
+    base = DECODE[element_size]
+    limit = 16 if element_size == 4 and block_d > 128 else DECODE_MAX_BLOCK_M[element_size]
+    block_m = min(limit, max(16, 1 << max(rows - 1, 0).bit_length()))
+    block_n = base.block_n if block_d <= 128 else base.block_n // 2
+    return AttentionConfig(block_m, block_n, base.num_warps, base.num_stages)
+
+
+def decode_splits(device: DeviceInfo, tiles: int, capacity: int, block_n: int) -> int:
+    """How many key ranges split-KV cuts each sequence's cache into: enough programs for
+    DECODE_WAVES per SM over `tiles` (batch x KV heads x row blocks), each range at least
+    DECODE_MIN_SPLIT_BLOCKS key blocks of a cache of `capacity` tokens."""
+    wanted = -(-DECODE_WAVES * device.sm_count // max(tiles, 1))
+    most = max(1, capacity // (DECODE_MIN_SPLIT_BLOCKS * block_n))
+    return max(1, min(wanted, most, 128))
+
+
+def decode_configs():
+    """Every (element size, padded head dim, config) the KV-cache dispatcher can pick."""
+    for element_size, block_d in product((2, 4), (16, 32, 64, 128, 256)):
+        for rows in (16, 32, 64):
+            cfg = decode_config(None, element_size, block_d, rows)
+            if cfg.block_m == rows:
+                yield element_size, block_d, cfg
 

@@ -11,6 +11,10 @@ their own plans of the same class and launch through `launch_forward` too. Which
     `forward_gluon.attention_forward_gluon_kernel` (`launch_gluon`);
   - otherwise the Triton TMA kernel, `forward_hopper.attention_forward_hopper_kernel`
     (`launch_tma`, `HOPPER_FORWARD`).
+- Dense calls whose Sq x group query rows fit one decode tile, against many keys
+  (`configs.takes_decode`; decode with a KV cache, on any GPU): the KV-cache kernels,
+  `decode.attention_decode_split_kernel` then `..._combine_kernel` (`decode.launch_decode`):
+  split-KV, with the query heads of a KV head packed into one tile.
 - Every other call (fp32, packed, small, not unit-strided in D, any other GPU, the CPU
   interpreter): `forward.attention_forward_kernel` (`FORWARD`, by device family, dtype and
   padded head dim; `forward_config` picks the short or long tile).
@@ -28,15 +32,15 @@ from ..device import info_for
 from ..flops import attention_flops
 from ..launch import KernelLauncher, PlanCache
 from . import descriptors
-from ._kernels.forward import MIN_SCALE, attention_forward_kernel
+from ._kernels.forward import attention_forward_kernel
 from ._kernels.forward_gluon import attention_forward_gluon_kernel
 from ._kernels.forward_hopper import attention_forward_hopper_kernel
 from .checks import NO_WINDOW, check_band, check_inputs, check_options
 from .configs import (forward_config, gluon_forward_section, gluon_forward_tiles, gluon_persistent,
-                      gluon_separate_output, head_dim_block, hopper_forward_config)
-from .layouts import cdiv, dense_strides, kernel_window, row_strides, token_totals
+                      gluon_separate_output, head_dim_block, hopper_forward_config, takes_decode)
+from .decode import DecodePlan, launch_decode
+from .layouts import LOG2E, cdiv, dense_strides, kernel_window, positive_scale, row_strides, token_totals
 
-LOG2E = 1.4426950408889634
 _FORWARD = KernelLauncher("attention_forward", attention_forward_kernel, fp32_dots=True)
 _HOPPER = KernelLauncher("attention_forward_hopper", attention_forward_hopper_kernel)
 _GLUON = KernelLauncher("attention_forward_gluon", attention_forward_gluon_kernel)
@@ -52,7 +56,8 @@ class ForwardPlan:
     """
 
     __slots__ = ("empty", "contiguous", "config", "grid", "default_scale", "softcap", "packed", "lse_shape",
-                 "device_index", "kernel_options", "launch_tail", "hopper", "window", "causal", "out_strides")
+                 "device_index", "kernel_options", "launch_tail", "hopper", "decode", "window", "causal",
+                 "out_strides")
 
     def __init__(self, q, k, v, batch, seqlen_q, seqlen_k, causal, window_size, softcap, write_lse, packed,
                  config=None):
@@ -82,8 +87,12 @@ class ForwardPlan:
         self.window = kernel_window(causal, window_size)
         # Large dense 16-bit calls on sm90 take the TMA kernels when the tensors allow it.
         flops = attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim)
-        self.hopper = None
-        if config is None and not packed and not self.contiguous and q.is_cuda:
+        self.hopper = self.decode = None
+        if (config is None and not packed and not self.contiguous
+                and takes_decode(q.element_size(), seqlen_q, heads_q // k.shape[1], seqlen_k)):
+            # A short query against many keys: the KV-cache kernels, the keys as a full cache.
+            self.decode = DecodePlan(q.transpose(1, 2), k.transpose(1, 2), None, causal, window_size, 0)
+        elif config is None and not packed and not self.contiguous and q.is_cuda:
             masked = causal or any(w >= 0 for w in window_size)
             hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops, softcap > 0, masked,
                                                seqlen_k)
@@ -107,6 +116,10 @@ def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, 
     out = torch.empty_strided(q.shape, plan.out_strides, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if write_lse else None
     if plan.empty:
+        return out, lse
+    if plan.decode is not None:
+        launch_decode(plan.decode, key, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
+                      lse, k.shape[2], None, 0, softmax_scale, plan.softcap)
         return out, lse
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
     q, scale = positive_scale(q, scale)
@@ -132,27 +145,6 @@ def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, 
                                      sequence_order, *scales) + tail,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     return out, lse
-
-
-def positive_scale(q, scale: float):
-    """(q, scale) as the forward kernels take them: a positive scale. They take row maxima over
-    unscaled scores and mask scores to -inf before scaling them (`forward.softmax_step`), so a
-    negative scale runs as (-q).k * -scale, with -q in q's own strides (the caller's plan key and
-    launch strides still describe it), and a zero one at MIN_SCALE (the same uniform weights)."""
-    if scale < 0:
-        q, scale = _negated_in_place_layout(q), -scale
-    return q, max(scale, MIN_SCALE)
-
-
-def _negated_in_place_layout(q: torch.Tensor) -> torch.Tensor:
-    """-q with q's shape and strides: the span of memory q's elements cover, negated into a new
-    buffer and viewed with q's strides. Works for every strided q, also expanded (stride 0) or
-    otherwise overlapping ones, which no tensor written element by element can share strides with."""
-    if q.numel() == 0:
-        return q
-    span = 1 + sum((n - 1) * st for n, st in zip(q.shape, q.stride()))
-    region = q.as_strided((span,), (1,), q.storage_offset())
-    return torch.neg(region).as_strided(q.shape, q.stride())
 
 
 def launch_tma(q, k, v, out, lse, scale, softcap, config, window, *, causal, device_index=None,

@@ -1,9 +1,13 @@
 """How a call's tensors and options become the kernels' arguments: the (batch, head, row) strides
-of dense and packed tensors, the layout of outputs, the band as the kernels take it, and the
-token totals packed batches clamp their cumulative lengths to."""
+of dense and packed tensors, the layout of outputs, the band and the scale as the kernels take
+them, and the token totals packed batches clamp their cumulative lengths to."""
 from __future__ import annotations
 
 import torch
+
+from ._kernels.forward import MIN_SCALE
+
+LOG2E = 1.4426950408889634  # the kernels work in base 2: they take scale * log2(e)
 
 # A window bound this wide is unbounded for any sequence the kernels can address; wider ones are
 # clamped to it so that the kernels' int32 band arithmetic (row + bound) cannot overflow.
@@ -54,3 +58,24 @@ def dense_strides(shape, strides=None) -> tuple:
         dense[i] = step
         step *= max(shape[i], 1)
     return tuple(dense)
+
+
+def positive_scale(q, scale: float):
+    """(q, scale) as the forward kernels take them: a positive scale. They take row maxima over
+    unscaled scores and mask scores to -inf before scaling them (`forward.softmax_step`), so a
+    negative scale runs as (-q).k * -scale, with -q in q's own strides (the caller's plan key and
+    launch strides still describe it), and a zero one at MIN_SCALE (the same uniform weights)."""
+    if scale < 0:
+        q, scale = _negated_in_place_layout(q), -scale
+    return q, max(scale, MIN_SCALE)
+
+
+def _negated_in_place_layout(q: torch.Tensor) -> torch.Tensor:
+    """-q with q's shape and strides: the span of memory q's elements cover, negated into a new
+    buffer and viewed with q's strides. Works for every strided q, also expanded (stride 0) or
+    otherwise overlapping ones, which no tensor written element by element can share strides with."""
+    if q.numel() == 0:
+        return q
+    span = 1 + sum((n - 1) * st for n, st in zip(q.shape, q.stride()))
+    region = q.as_strided((span,), (1,), q.storage_offset())
+    return torch.neg(region).as_strided(q.shape, q.stride())

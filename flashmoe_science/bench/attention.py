@@ -19,6 +19,8 @@ Sections (rows carry a "section" column):
 - calls (only when listed in --sections): wall-clock per call of back-to-back attention calls from
   a QKV projection's output, forward and backward through autograd, at short and middle lengths
   (from host-bound calls to GPU-bound ones), on each side of the train section.
+- decode (--mode decode, results attention_decode; `attention_decode.py`): one new token against
+  contiguous and paged KV caches, ours against SDPA's fastest backend and the copy floor.
 Sections varlen, window and calls time the --mode given; run alone, they write
 attention_<sections>_<mode> (such as attention_varlen_window_fwd_bwd). Without a GPU they run
 through the interpreter at a tiny size, without FlexAttention.
@@ -45,8 +47,9 @@ INPUT_SETS = 8  # small calls rotate among this many input sets, so no side is f
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--mode", choices=["fwd", "bwd", "fwd+bwd"], default="fwd",
-                        help="time the forward, the backward alone, or both (default: fwd)")
+    parser.add_argument("--mode", choices=["fwd", "bwd", "fwd+bwd", "decode"], default="fwd",
+                        help="time the forward, the backward alone, both, or one new token against a KV "
+                             "cache (`attention_decode.py`) (default: fwd)")
     parser.add_argument("--sections", default=None,
                         help="comma list of overhead,small,throughput,memory,train,varlen,window,calls (default: "
                              "overhead,small,throughput for fwd, throughput,memory,train otherwise)")
@@ -661,6 +664,11 @@ def run(args) -> dict:
     args.checkpoint = checkpoint
     meta = {"mode": args.mode, "tokens_per_batch": TOKENS, "hidden": HIDDEN}
     suffix = "" if args.window is None else f"_window{args.window}"
+    if args.mode == "decode":
+        from . import attention_decode
+        if device.type == "cpu":
+            meta["note"] = "no GPU: Triton CPU interpreter at small size; errors only"
+        return {"name": "attention_decode", "rows": attention_decode.run(args, device), "meta": meta}
     if args.sweep or args.sweep_hopper:
         from .sweeps import attention_forward as sweeps
         if args.sweep:

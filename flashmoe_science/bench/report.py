@@ -97,6 +97,23 @@ def _attention_extra(rows) -> str:
     return "\n".join(out) + ("\n" if out else "")
 
 
+def _attention_decode(rows) -> str:
+    out = ["| B | Sk | Hq / Hkv / D | ours | paged 16 | paged 256 | SDPA best | floor | copy share | "
+           "SDPA / ours |", "|---|---|---|---|---|---|---|---|---|---|"]
+    cases: dict = {}
+    for r in rows:
+        cases.setdefault((r["heads_q"], r["heads_kv"], r["head_dim"], r["batch"], r["seqlen"]), {})[r["impl"]] = r
+    for (hq, hkv, d, b, s), impls in sorted(cases.items()):
+        ours, sdpa = impls.get("ours"), impls.get("sdpa_best")
+        cell = [_fmt(impls[i]["us"], 1) if i in impls else "" for i in ("ours", "ours_paged16", "ours_paged256")]
+        out.append(f"| {b} | {s} | {hq} / {hkv} / {d} | " + " | ".join(cell) + " | "
+                   f"{_fmt(sdpa['us'], 1) + ' (' + sdpa['backend'] + ')' if sdpa else ''} | "
+                   f"{_fmt(ours['floor_us'], 1) if ours else ''} | "
+                   f"{_fmt(ours['floor_us'] / ours['us'], 2) if ours else ''} | "
+                   f"{_ratio_ci(ours, 'speedup_vs_sdpa') if ours else ''} |")
+    return "\n".join(out) + "\n"
+
+
 def render_attention(name: str, result: dict) -> str:
     rows, meta = result["rows"], result["meta"]
     parts = [_source_line(name, meta)]
@@ -130,6 +147,12 @@ def render_attention(name: str, result: dict) -> str:
         parts.append(f"\nCausal sliding window ({meta.get('mode')}), S = {first['seqlen']}, Hq = {first['heads']}, "
                      f"D = {first['head_dim']}, {first['dtype']}; TFLOP/s count the pairs inside the window:\n\n"
                      + _attention_workload(window, ("window",)))
+    decode = [r for r in rows if r.get("section") == "decode" and r.get("us") is not None]
+    if decode:
+        parts.append("\nOne new token against a KV cache of Sk tokens per sequence: GPU time in µs of ours "
+                     "(contiguous, and paged in pages of 16 and 256 tokens) and of SDPA's fastest backend, the "
+                     "copy floor (K and V bytes over the copy bandwidth measured in the run), and ours' share of "
+                     "it.\n\n" + _attention_decode(decode))
     calls = [r for r in rows if r.get("section") == "calls"]
     if calls:
         what = "forward" if calls[0]["mode"] == "fwd" else "forward and backward through autograd"

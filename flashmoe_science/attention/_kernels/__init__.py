@@ -15,6 +15,8 @@ GPU); these files hold the algorithms.
   gradient of its own), with pointer or TMA-descriptor tiles.
 - `backward_gluon.py`: the sm90 backward in Gluon (dQ kernel, then dK/dV kernel) with
   asynchronous wgmma.
+- `decode.py`: attention against a KV cache, contiguous or paged: split-KV partials with the
+  query heads of a KV head packed into one tile, their combine, and the cache append.
 - `lengths.py`: the device-side check of packed cumulative lengths (`varlen.poison_if_malformed`).
 - `tiles.py`: masked tile loads shared by the Triton kernels.
 """

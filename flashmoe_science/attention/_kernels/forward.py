@@ -151,7 +151,7 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_l
     BOTH_EDGES, `band_edge_mask`), then rescale and accumulate p.v.
 
     The multiplier is folded into the exponent's one FMA and the row maximum is taken over the
-    unscaled scores: max(s) * mult = max(s * mult) as mult > 0 (`hopper.positive_scale` negates q
+    unscaled scores: max(s) * mult = max(s * mult) as mult > 0 (`layouts.positive_scale` negates q
     for a negative softmax_scale and raises a zero one to MIN_SCALE, so masked scores stay -inf
     after the multiply)."""
     if SOFTCAP:

@@ -1,0 +1,196 @@
+"""Attention against a KV cache (decode and short queries): split-KV with GQA packing, over a
+contiguous or a paged cache.
+
+- `attention_decode_split_kernel`: one program per (key split, batch entry and KV head, row
+  block). The rows of its tile are the Sq x group query rows that share the KV head (row r is
+  query position r // group of query head kv_head * group + r % group), so each K and V tile is
+  read once for the whole group. It walks the keys of its split that the rows' band reaches, with
+  `forward.softmax_step`'s base-2 online softmax (each row masked by its own query position's
+  band, and by the sequence's length), and writes its normalised partial output and lse.
+- `attention_decode_combine_kernel`: per row, the splits' partials weighted by exp(lse_s - lse),
+  written in the output's dtype and layout, with the total lse.
+- `kv_cache_append_kernel`: writes new keys and values into the cache at each sequence's
+  position `cache_seqlens[b] + t`, before the attention reads them.
+
+A paged cache (PAGE_SIZE > 0) holds a sequence's key t in page `block_table[b, t // PAGE_SIZE]`,
+slot t % PAGE_SIZE; each key's page is looked up as its block loads. Keys past a sequence's length
+load as zeros (the cache beyond it may hold anything). A cache length out of [0, max_seqlen_k -
+new tokens] or a visible key's page id out of [0, num_pages) is malformed input that no host
+check saw (they are device values): such a sequence's outputs and lse become NaN, and nothing is
+read or written outside the cache.
+"""
+import triton
+import triton.language as tl
+
+from .forward import BOTH_EDGES, TF32, band_diagonals, finish, softmax_step
+
+
+@triton.jit
+def _sequence_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTHS_TENSOR: tl.constexpr):
+    """(keys the sequence attends to, whether its cache length was malformed)."""
+    if LENGTHS_TENSOR:
+        cached = tl.load(CACHE_SEQLENS + b)
+    else:
+        cached = cache_len
+    bad = (cached < 0) | (cached > max_seqlen_k - seqlen_new)
+    seqlen_k = tl.minimum(tl.maximum(cached, 0) + seqlen_new, max_seqlen_k)
+    return seqlen_k, bad
+
+
+@triton.jit
+def attention_decode_split_kernel(
+    Q, K, V, O_PART, LSE_PART, CACHE_SEQLENS, BLOCK_TABLE,
+    scale_log2, softcap_scale, softcap_log2,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_tb,
+    num_heads_kv, group_size, seqlen_q, seqlen_new, cache_len, max_seqlen_k, num_pages, rows, rows_padded,
+    split_len, num_splits, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, LENGTHS_TENSOR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr = TF32,
+):
+    """K, V strides: (batch, token, head) of a contiguous cache, (page, slot, head) of a paged one.
+    O_PART (num_splits, B, Hkv, rows_padded, BLOCK_D) and LSE_PART (num_splits, B, Hkv,
+    rows_padded), fp32, contiguous."""
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = pid_bh // num_heads_kv
+    h_kv = pid_bh % num_heads_kv
+    b64 = b.to(tl.int64)
+    seqlen_k, bad = _sequence_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTHS_TENSOR)
+    diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
+
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_r < rows
+    qi = offs_r // group_size  # query position of each row
+    h = h_kv * group_size + offs_r % group_size
+    q = tl.load(Q + b64 * stride_qb + qi.to(tl.int64)[:, None] * stride_qm + h.to(tl.int64)[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # The keys of this split that some row of the tile sees: the first row's band start to the
+    # last row's band end (rows past `rows` repeat the last query position).
+    first_q = (pid_m * BLOCK_M) // group_size
+    last_q = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, rows - 1) // group_size
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seqlen_k)
+    lo = tl.maximum(start, first_q + diag_lo)
+    lo = start + tl.maximum(lo - start, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(end, last_q + diag_hi + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bad_page = tl.zeros([BLOCK_N], dtype=tl.int32)
+    kv_head_k = h_kv.to(tl.int64) * stride_kh
+    kv_head_v = h_kv.to(tl.int64) * stride_vh
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        key_ok = keys < seqlen_k
+        if PAGE_SIZE > 0:
+            page = tl.load(BLOCK_TABLE + b64 * stride_tb + keys // PAGE_SIZE, mask=key_ok, other=0)
+            page_ok = (page >= 0) & (page < num_pages)
+            bad_page = tl.maximum(bad_page, (key_ok & ~page_ok).to(tl.int32))
+            key_ok = key_ok & page_ok
+            page64 = tl.where(page_ok, page, 0).to(tl.int64)
+            slot = (keys % PAGE_SIZE).to(tl.int64)
+            k_rows = page64 * stride_kb + slot * stride_kn
+            v_rows = page64 * stride_vb + slot * stride_vn
+        else:
+            k_rows = b64 * stride_kb + keys.to(tl.int64) * stride_kn
+            v_rows = b64 * stride_vb + keys.to(tl.int64) * stride_vn
+        mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_rows[:, None] + kv_head_k + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(V + v_rows[:, None] + kv_head_v + offs_d[None, :], mask=mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qi, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
+                                     scale_log2, softcap_scale, softcap_log2, BOTH_EDGES, SOFTCAP, DOT_PRECISION)
+    out, lse = finish(acc, l_i, m_i)
+    malformed = bad | (tl.max(bad_page, 0) > 0)
+    out = tl.where(malformed, float("nan"), out)
+    lse = tl.where(malformed, float("nan"), lse)
+    part = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * rows_padded + offs_r
+    tl.store(O_PART + part[:, None] * BLOCK_D + offs_d[None, :], out)
+    tl.store(LSE_PART + part, lse)
+
+
+@triton.jit
+def attention_decode_combine_kernel(
+    O_PART, LSE_PART, OUT, LSE,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    num_heads_kv, group_size, rows, rows_padded, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """OUT (B, Sq, Hq, D) in its own dtype and strides; LSE (B, Hq, Sq) fp32 when WRITE_LSE. Rows
+    no split saw get 0 and lse -inf; a NaN partial (malformed input) reaches its rows."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bh // num_heads_kv
+    h_kv = pid_bh % num_heads_kv
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_r < rows
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        part = (s * tl.num_programs(0) + pid_bh).to(tl.int64) * rows_padded + offs_r
+        m = tl.maximum(m, tl.load(LSE_PART + part))
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(0, num_splits):
+        part = (s * tl.num_programs(0) + pid_bh).to(tl.int64) * rows_padded + offs_r
+        w = tl.exp(tl.load(LSE_PART + part) - m_sub)
+        total += w
+        acc += w[:, None] * tl.load(O_PART + part[:, None] * BLOCK_D + offs_d[None, :])
+    nan_rows = m != m
+    out = tl.where((total == 0.0)[:, None], 0.0, acc / tl.where(total == 0.0, 1.0, total)[:, None])
+    out = tl.where(nan_rows[:, None], float("nan"), out)
+    qi = offs_r // group_size
+    h = h_kv * group_size + offs_r % group_size
+    ptrs = (OUT + b.to(tl.int64) * stride_ob + qi.to(tl.int64)[:, None] * stride_om
+            + h.to(tl.int64)[:, None] * stride_oh + offs_d[None, :])
+    tl.store(ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    if WRITE_LSE:
+        lse = tl.where(total == 0.0, float("-inf"), m + tl.log(tl.where(total == 0.0, 1.0, total)))
+        lse = tl.where(nan_rows, float("nan"), lse)
+        tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def kv_cache_append_kernel(
+    NEW, CACHE, CACHE_SEQLENS, BLOCK_TABLE,
+    stride_nb, stride_nm, stride_nh,
+    stride_cb, stride_cn, stride_ch,
+    stride_tb,
+    seqlen_new, cache_len, max_seqlen_k, num_pages,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, LENGTHS_TENSOR: tl.constexpr,
+):
+    """NEW (B, Sq_new, Hkv, D) into CACHE at token cache_seqlens[b] + t of each sequence; one
+    program per (batch entry and new token, KV head). Positions outside the cache, or in pages out
+    of range, are not written (the attention kernel turns such a sequence's outputs into NaN)."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = pid // seqlen_new
+    t = pid % seqlen_new
+    if LENGTHS_TENSOR:
+        cached = tl.load(CACHE_SEQLENS + b)
+    else:
+        cached = cache_len
+    pos = cached + t
+    ok = (cached >= 0) & (cached <= max_seqlen_k - seqlen_new)
+    if PAGE_SIZE > 0:
+        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_tb + pos // PAGE_SIZE, mask=ok, other=0)
+        ok = ok & (page >= 0) & (page < num_pages)
+        row = tl.where(ok, page, 0).to(tl.int64) * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cn
+    else:
+        row = b.to(tl.int64) * stride_cb + tl.where(ok, pos, 0).to(tl.int64) * stride_cn
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    value = tl.load(NEW + b.to(tl.int64) * stride_nb + t.to(tl.int64) * stride_nm + h * stride_nh + offs_d, mask=d_ok)
+    tl.store(CACHE + row + h * stride_ch + offs_d, value, mask=d_ok & ok)

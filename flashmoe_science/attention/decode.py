@@ -1,0 +1,248 @@
+"""Attention against a KV cache: `flash_attention_with_kvcache`, decode and short queries.
+
+flash-attn's layouts and meaning: q (B, Sq, Hq, D); a contiguous cache k_cache, v_cache
+(B, Sk_max, Hkv, D), or a paged one (num_pages, page_size, Hkv, D) with `block_table`
+(B, max_pages_per_sequence) int32; `cache_seqlens` each sequence's cached length. Optional new
+keys and values (B, Sq_new, Hkv, D) are written into the cache at cache_seqlens[b] ... before the
+attention reads it (`_kernels/decode.kv_cache_append_kernel`; the caller advances
+cache_seqlens), and the call attends to cache_seqlens[b] + Sq_new keys, bottom-right causal.
+
+Split-KV (flash-decoding): each (batch entry, KV head) has few query rows, so the keys are cut
+into `num_splits` ranges that separate programs attend to, each writing a partial output and its
+lse into a workspace sized from the shapes alone; a second kernel combines them. The rows of a
+tile are the query rows of the heads that share a KV head (GQA packing), so K and V are read
+once per group. Nothing reads a device value on the host: the call can be captured in a CUDA
+graph and replayed with new cache_seqlens and block_table.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..device import check_runnable, info_for
+from ..launch import KernelLauncher, PlanCache
+from ._kernels.decode import attention_decode_combine_kernel, attention_decode_split_kernel, kv_cache_append_kernel
+from .checks import NO_WINDOW, check_band, check_bool, check_options
+from .configs import DECODE_COMBINE_BLOCK_M, decode_config, decode_splits, head_dim_block
+from .layouts import LOG2E, cdiv, kernel_window, positive_scale
+
+_SPLIT = KernelLauncher("attention_decode_split", attention_decode_split_kernel, fp32_dots=True)
+_COMBINE = KernelLauncher("attention_decode_combine", attention_decode_combine_kernel)
+_APPEND = KernelLauncher("kv_cache_append", kv_cache_append_kernel)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PLANS = PlanCache()
+
+
+def _check_tensor(name, t, ndim, dims, dtypes=_DTYPES):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d)[6:] for d in dtypes)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {tuple(t.stride())}")
+
+
+def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+    """Shapes, dtypes and devices; cache_seqlens' values when it is an int (a tensor's are device
+    values, checked by the kernels)."""
+    _check_tensor("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    check_runnable("q", q)
+    cache_dims = "(batch, seqlen_k, heads_kv, head_dim), or paged (num_pages, page_size, heads_kv, head_dim)"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, 4, cache_dims)
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q and the caches must have the same head_dim, got {head_dim} and {k_cache.shape[3]}")
+    if not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be between 16 and 256, got {head_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"the number of query heads ({heads_q}) must be a multiple of the caches' heads ({heads_kv})")
+    if block_table is not None:
+        _check_tensor("block_table", block_table, 2, "(batch, max_pages_per_sequence)", (torch.int32,))
+        if block_table.shape[0] != batch or block_table.device != q.device:
+            raise ValueError(f"block_table must be ({batch}, max_pages_per_sequence) on {q.device}, got "
+                             f"{tuple(block_table.shape)} on {block_table.device}")
+        page_size = k_cache.shape[1]
+        if page_size % 16:
+            raise ValueError(f"a paged cache's page size (k_cache.shape[1]) must be a multiple of 16, got {page_size}")
+    elif k_cache.shape[0] != batch:
+        raise ValueError(f"a contiguous k_cache must have q's batch size {batch}, got {k_cache.shape[0]} "
+                         "(pass block_table for a paged cache)")
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (the new keys and values), or neither")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(name, t, 4, "(batch, seqlen_new, heads_kv, head_dim)")
+            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name} must be (batch={batch}, seqlen_new, heads_kv={heads_kv}, head_dim={head_dim}) "
+                                 f"of q's dtype and device, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens (int32 (batch,) tensor or int) is required: each sequence's cached length")
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,) or cache_seqlens.stride(0) != 1:
+            raise ValueError(f"cache_seqlens must be a contiguous int32 tensor of shape ({batch},), got "
+                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens must be on q's device ({q.device}), got {cache_seqlens.device}")
+    elif not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, bool):
+        raise TypeError(f"cache_seqlens must be an int32 tensor or an int, got {type(cache_seqlens).__name__}")
+    else:
+        new = 0 if k is None else k.shape[1]
+        capacity = _capacity(k_cache, block_table)
+        if not 0 <= cache_seqlens <= capacity - new:
+            raise ValueError(f"cache_seqlens={cache_seqlens} with {new} new tokens does not fit a cache of "
+                             f"{capacity} tokens per sequence")
+
+
+def _capacity(k_cache, block_table) -> int:
+    """Tokens a sequence's cache holds: Sk_max, or pages per sequence times the page size."""
+    return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+
+
+class DecodePlan:
+    """What a call's shapes, strides, dtypes and options decide: tiles, splits, grids, workspace."""
+
+    __slots__ = ("config", "rows", "block_m", "rows_padded", "num_splits", "split_len", "split_grid",
+                 "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index")
+
+    def __init__(self, q, k_cache, block_table, causal, window_size, num_splits):
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        heads_kv = k_cache.shape[2]
+        group = heads_q // heads_kv
+        self.rows = seqlen_q * group
+        self.block_d = head_dim_block(head_dim)
+        cfg = self.config = decode_config(info_for(q), q.element_size(), self.block_d, self.rows)
+        self.block_m = cfg.block_m
+        num_m_blocks = cdiv(self.rows, self.block_m)
+        self.rows_padded = num_m_blocks * self.block_m
+        self.capacity = _capacity(k_cache, block_table)
+        splits = num_splits or decode_splits(info_for(q), batch * heads_kv * num_m_blocks, self.capacity, cfg.block_n)
+        splits = max(1, min(splits, cdiv(max(self.capacity, 1), cfg.block_n)))
+        self.split_len = cdiv(cdiv(max(self.capacity, 1), splits), cfg.block_n) * cfg.block_n
+        self.num_splits = cdiv(max(self.capacity, 1), self.split_len)
+        self.split_grid = (self.num_splits, batch * heads_kv, num_m_blocks)
+        self.combine_grid = (batch * heads_kv, cdiv(self.rows, DECODE_COMBINE_BLOCK_M), 1)
+        self.default_scale = 1.0 / math.sqrt(head_dim)
+        self.window = kernel_window(causal, window_size)
+        self.page_size = k_cache.shape[1] if block_table is not None else 0
+        self.device_index = q.device.index if q.device.type == "cuda" else None
+
+
+def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, num_splits):
+    tensors = [t for t in (q, k_cache, v_cache, k, block_table) if t is not None]
+    return (tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors), q.dtype, q.device,
+            block_table is not None, k is not None, isinstance(cache_seqlens, torch.Tensor), causal, window_size,
+            num_splits)
+
+
+def _append(new, cache, cache_seqlens, block_table, plan, key, lengths_tensor, cache_len):
+    batch, seqlen_new, heads_kv, head_dim = new.shape
+    if new.numel() == 0:
+        return
+    table = block_table if block_table is not None else cache
+    _APPEND.launch(key, (batch * seqlen_new, heads_kv, 1),
+                   (new, cache, cache_seqlens if lengths_tensor else cache, table, *new.stride()[:3],
+                    *cache.stride()[:3], block_table.stride(0) if block_table is not None else 0, seqlen_new,
+                    cache_len, plan.capacity, cache.shape[0], head_dim, plan.block_d, plan.page_size, lengths_tensor),
+                   num_warps=1, num_stages=1, device_index=plan.device_index)
+
+
+def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_seqlens, block_table, seqlen_new,
+                  softmax_scale, softcap) -> None:
+    """Runs the split and combine kernels for a plan: writes out, shaped and laid out like q
+    (B, Sq, Hq, D), and lse (B, Hq, Sq) unless None. `cache_seqlens` an int32 tensor or an int;
+    `seqlen_new` new tokens already appended. `key` (None: Triton's ordinary launch) must
+    determine the plan, as `_plan_key` does (the forward's dispatch passes its own plan key)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if q.numel() == 0:
+        return
+    heads_kv = k_cache.shape[2]
+    lengths_tensor = isinstance(cache_seqlens, torch.Tensor)
+    cache_len = 0 if lengths_tensor else int(cache_seqlens)
+    scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
+    q, scale = positive_scale(q, scale)
+    softcap = float(softcap)
+    cfg = plan.config
+    o_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded, plan.block_d), dtype=torch.float32,
+                         device=q.device)
+    lse_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded), dtype=torch.float32,
+                           device=q.device)
+    lengths = cache_seqlens if lengths_tensor else lse_part
+    table = block_table if block_table is not None else lse_part
+    _SPLIT.launch(key, plan.split_grid,
+                  (q, k_cache, v_cache, o_part, lse_part, lengths, table, scale * LOG2E,
+                   scale / softcap if softcap else 0.0, softcap * LOG2E, *q.stride()[:3], *k_cache.stride()[:3],
+                   *v_cache.stride()[:3], block_table.stride(0) if block_table is not None else 0, heads_kv,
+                   heads_q // heads_kv, seqlen_q, seqlen_new, cache_len, plan.capacity, k_cache.shape[0], plan.rows,
+                   plan.rows_padded, plan.split_len, plan.num_splits, *plan.window, head_dim, plan.block_d,
+                   plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
+    write_lse = lse is not None
+    _COMBINE.launch(key, plan.combine_grid,
+                    (o_part, lse_part, out, lse if write_lse else lse_part, *out.stride()[:3],
+                     *((lse.stride(0), lse.stride(1)) if write_lse else (0, 0)), heads_kv, heads_q // heads_kv,
+                     plan.rows, plan.rows_padded, plan.num_splits, head_dim, plan.block_d, DECODE_COMBINE_BLOCK_M,
+                     write_lse),
+                    num_warps=4, num_stages=1, device_index=plan.device_index)
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
+                                 causal=True, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0, num_splits=0,
+                                 return_lse=False):
+    """Attention of q against a KV cache, as flash-attn's `flash_attn_with_kvcache`.
+
+    Args:
+        q: (B, Sq, Hq, D), fp16, bf16 or fp32; Sq from 1 (decode) to a few hundred (speculative
+            decoding, chunked prefill).
+        k_cache, v_cache: (B, Sk_max, Hkv, D), or paged (num_pages, page_size, Hkv, D) with
+            `block_table`; Hq a multiple of Hkv. Updated in place when k, v are given.
+        k, v: optional new keys and values (B, Sq_new, Hkv, D), written at cache_seqlens[b] ...
+            before attending; the caller advances cache_seqlens afterwards.
+        cache_seqlens: int32 (B,) tensor or an int: tokens already in each sequence's cache. The
+            call attends to cache_seqlens[b] + Sq_new keys.
+        block_table: int32 (B, max_pages_per_sequence): the pages of each sequence, in order;
+            page_size a multiple of 16.
+        causal: bottom-right aligned (query i sees keys j <= i + Sk - Sq), as the other functions.
+        softmax_scale, window_size, softcap: as for `flash_attention_science`.
+        num_splits: key ranges attended to by separate programs (0: chosen from the shapes and
+            the SM count, never from cache_seqlens' values).
+        return_lse: also return lse (B, Hq, Sq) float32.
+
+    A cache length or page id out of range, which can only be seen on the device, makes that
+    sequence's outputs NaN; nothing outside the caches is read or written. Not differentiable.
+
+    Returns:
+        out (B, Sq, Hq, D), or (out, lse) when return_lse.
+    """
+    check_options(causal, softmax_scale)
+    window_size = check_band(window_size, softcap)
+    check_bool("return_lse", return_lse)
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
+    _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    key = _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, num_splits)
+    plan = PLANS.get(key) or PLANS.remember(key, DecodePlan(q, k_cache, block_table, causal, window_size,
+                                                             num_splits))
+    lengths_tensor = isinstance(cache_seqlens, torch.Tensor)
+    cache_len = 0 if lengths_tensor else int(cache_seqlens)
+    if k is not None:
+        _append(k, k_cache, cache_seqlens, block_table, plan, key, lengths_tensor, cache_len)
+        _append(v, v_cache, cache_seqlens, block_table, plan, key, lengths_tensor, cache_len)
+    out = torch.empty_like(q)
+    batch, seqlen_q, heads_q, _ = q.shape
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    launch_decode(plan, key, q, k_cache, v_cache, out, lse, cache_seqlens, block_table,
+                  0 if k is None else k.shape[1], softmax_scale, softcap)
+    return (out, lse) if return_lse else out

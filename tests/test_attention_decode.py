@@ -1,0 +1,323 @@
+"""flash_attention_with_kvcache: attention against a contiguous or paged KV cache, with split-KV,
+against the float64 reference of each sequence's visible keys.
+
+On the CPU these run through Triton's interpreter in fp32 and fp16 at small sizes; the GPU tests
+(marked `gpu`) add bf16, realistic sizes, PyTorch's own error and CUDA-graph replay.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flashmoe_science import flash_attention_with_kvcache
+from flashmoe_science.attention import attention_reference
+from flashmoe_science.launch import clear_records, last_launch
+from test_attention_forward import rel_error
+
+
+def reference(q, k_cache, v_cache, lengths, causal=True, **options):
+    """Per sequence: float64 attention of q (B, Sq, Hq, D) over its first lengths[b] cached keys;
+    out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        out, lse = attention_reference(q[b:b + 1].transpose(1, 2).double(), k_cache[b:b + 1, :n].transpose(1, 2).double(),
+                                       v_cache[b:b + 1, :n].transpose(1, 2).double(), causal=causal, **options)
+        outs.append(out.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def paged(k_cache, page_size, generator=None):
+    """The contiguous cache (B, Sk_max, Hkv, D) as shuffled pages (num_pages, page_size, Hkv, D) and
+    the block table (B, Sk_max / page_size) that finds them, with spare pages of NaN between."""
+    batch, capacity, heads, dim = k_cache.shape
+    per_seq = capacity // page_size
+    num_pages = 2 * batch * per_seq
+    order = torch.randperm(num_pages, generator=generator)[:batch * per_seq]
+    pages = torch.full((num_pages, page_size, heads, dim), float("nan"), dtype=k_cache.dtype)
+    pages[order] = k_cache.reshape(batch * per_seq, page_size, heads, dim)
+    return pages, order.reshape(batch, per_seq).to(torch.int32)
+
+
+def pages_like(cache, pages, table):
+    """`cache` laid out in the pages `table` gave another cache of the same shape."""
+    out = torch.full_like(pages, float("nan"))
+    out[table.flatten().long()] = cache.reshape(-1, *pages.shape[1:])
+    return out
+
+
+def make_cache(batch, capacity, heads_kv, dim, dtype, device, lengths):
+    """Caches holding NaN past each sequence's length: nothing there may reach an output."""
+    k_cache, v_cache = (torch.randn(batch, capacity, heads_kv, dim, dtype=dtype) for _ in range(2))
+    for b, n in enumerate(lengths):
+        k_cache[b, n:] = float("nan")
+        v_cache[b, n:] = float("nan")
+    return k_cache.to(device), v_cache.to(device)
+
+
+CASES = [  # B, Sq, Hq, Hkv, D, capacity, lengths, options
+    (2, 1, 8, 2, 64, 96, [37, 96], {}),                                  # decode, GQA 4, one full cache
+    (3, 4, 8, 1, 32, 64, [0, 16, 63], {}),                               # MQA 8, an empty and page-edge lengths
+    (1, 16, 4, 4, 48, 80, [80], dict(window_size=(20, 0))),              # Sq 16, a causal window, padded D
+    (2, 3, 6, 3, 32, 64, [10, 50], dict(softcap=5.0, softmax_scale=0.3)),
+    (2, 2, 4, 2, 16, 48, [5, 48], dict(causal=False)),
+]
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("B,Sq,Hq,Hkv,D,capacity,lengths,options", CASES)
+def test_contiguous_and_paged_caches_match_reference(B, Sq, Hq, Hkv, D, capacity, lengths, options, num_splits,
+                                                     device):
+    dtype = torch.float32
+    q = torch.randn(B, Sq, Hq, D, dtype=dtype, device=device)
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, dtype, device, lengths)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    causal = options.pop("causal", True)
+    out, lse = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal,
+                                            num_splits=num_splits, return_lse=True, **options)
+    ref, ref_lse = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), lengths, causal, **options)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    assert torch.all(out.cpu().transpose(1, 2)[~seen] == 0)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu().double()[seen], ref_lse[seen].double(), atol=2e-5, rtol=1e-5)
+    for page_size in (16, 32):
+        if capacity % page_size:
+            continue
+        k_pages, table = paged(k_cache.cpu(), page_size)
+        v_pages = pages_like(v_cache.cpu(), k_pages, table)
+        out_paged = flash_attention_with_kvcache(q, k_pages.to(device), v_pages.to(device), cache_seqlens=seqlens,
+                                                 block_table=table.to(device), causal=causal, num_splits=num_splits,
+                                                 **options)
+        assert torch.equal(out_paged, out), page_size  # the same tiles in the same order: the same bits
+
+
+@pytest.mark.parametrize("paged_cache", [False, True])
+def test_new_keys_are_appended_in_place_before_attending(paged_cache, device):
+    B, Sq, Hq, Hkv, D, capacity = 3, 2, 4, 2, 32, 64
+    lengths = [0, 17, 62]
+    q = torch.randn(B, Sq, Hq, D, device=device)
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.float32, device, lengths)
+    k_new, v_new = (torch.randn(B, Sq, Hkv, D, device=device) for _ in range(2))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        expected_k[b, n:n + Sq] = k_new[b]
+        expected_v[b, n:n + Sq] = v_new[b]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if paged_cache:
+        k_pages, table = paged(k_cache.cpu(), 16)
+        v_pages = pages_like(v_cache.cpu(), k_pages, table)
+        k_cache, v_cache, table = k_pages.to(device), v_pages.to(device), table.to(device)
+    else:
+        table = None
+    out = flash_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    if paged_cache:  # back to the contiguous layout
+        k_cache = k_cache[table.flatten().long()].reshape(B, capacity, Hkv, D)
+        v_cache = v_cache[table.flatten().long()].reshape(B, capacity, Hkv, D)
+    torch.testing.assert_close(k_cache, expected_k, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, expected_v, equal_nan=True, atol=0, rtol=0)
+    ref, _ = reference(q.cpu(), expected_k.cpu(), expected_v.cpu(), [n + Sq for n in lengths])
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_fp16_and_an_int_length(device):
+    B, Sq, Hq, Hkv, D, capacity = 2, 1, 8, 2, 64, 64
+    q = torch.randn(B, Sq, Hq, D, dtype=torch.float16, device=device)
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.float16, device, [40, 40])
+    out = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=40, num_splits=2)
+    ref, _ = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), [40, 40])
+    theirs, _ = reference(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [40, 40])
+    assert rel_error(out.cpu(), ref) <= 2 * rel_error(theirs.half(), ref) + 1e-4
+
+
+def test_malformed_device_values_poison_their_sequence_only(device):
+    """Lengths past the cache and page ids out of range are device values no host check sees:
+    the sequence they belong to gets NaN, the others their right answers, and nothing outside the
+    cache is read or written."""
+    B, Sq, Hq, Hkv, D, capacity = 3, 1, 4, 2, 32, 64
+    q = torch.randn(B, Sq, Hq, D, device=device)
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.float32, device, [capacity] * B)
+    good = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), [20, 30, 40])[0]
+    for lengths in ([20, 65, 40], [20, -1, 40]):
+        out = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                                                                           device=device))
+        assert torch.isnan(out[1]).all()
+        torch.testing.assert_close(out[[0, 2]].cpu().double(), good[[0, 2]], atol=2e-5, rtol=1e-4)
+    k_pages, table = paged(k_cache.cpu(), 16)
+    v_pages = pages_like(v_cache.cpu(), k_pages, table)
+    table[1, 1] = k_pages.shape[0]  # a visible page out of range
+    table[2, 3] = -5  # a page past the sequence's length: never read, harmless
+    out = flash_attention_with_kvcache(q, k_pages.to(device), v_pages.to(device), block_table=table.to(device),
+                                       cache_seqlens=torch.tensor([20, 30, 40], dtype=torch.int32, device=device))
+    assert torch.isnan(out[1]).all()
+    torch.testing.assert_close(out[[0, 2]].cpu().double(), good[[0, 2]], atol=2e-5, rtol=1e-4)
+
+
+def test_empty_cache_and_empty_batch(device):
+    q = torch.randn(2, 1, 4, 32, device=device)
+    k_cache = torch.randn(2, 16, 2, 32, device=device)
+    out, lse = flash_attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=0, return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    empty = flash_attention_with_kvcache(q[:0], k_cache[:0], k_cache[:0], cache_seqlens=0)
+    assert empty.shape == (0, 1, 4, 32)
+
+
+def test_records_the_split_kernel(device):
+    q = torch.randn(1, 1, 8, 64, device=device)
+    k_cache = torch.randn(1, 256, 2, 64, device=device)
+    clear_records()
+    flash_attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=200, num_splits=4)
+    assert last_launch("attention_decode_split").grid[0] == 4
+    assert last_launch("attention_decode_combine") is not None
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda q, c, t: flash_attention_with_kvcache(q[0], c, c, cache_seqlens=1), "q must have 4 dimensions"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c[..., :16], cache_seqlens=1), "same shape"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c), "cache_seqlens .* is required"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=33), "does not fit"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=t.long()), "int32"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=t[:1]), r"shape \(2,\)"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c[:, :24], c[:, :24], cache_seqlens=t, block_table=t[:, None]),
+     "multiple of 16"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=t, block_table=t[:, None].long()),
+     "block_table has dtype"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, c[:, :1], cache_seqlens=t), "both k and v"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=t, num_splits=-1), "num_splits"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=t, causal=1), "causal must be a bool"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c[:1], c[:1], cache_seqlens=t), "batch size"),
+    (lambda q, c, t: flash_attention_with_kvcache(q[..., :3, :], c, c, cache_seqlens=t), "multiple of the caches'"),
+])
+def test_bad_arguments_are_named(call, message, device):
+    q = torch.randn(2, 1, 4, 32, device=device)
+    cache = torch.randn(2, 32, 2, 32, device=device)
+    lengths = torch.tensor([3, 5], dtype=torch.int32, device=device)
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(q, cache, lengths)
+
+
+@pytest.mark.parametrize("Sq,Hq,Hkv,Sk,options", [(1, 8, 2, 700, {}), (3, 4, 4, 600, dict(window_size=(100, 0))),
+                                                  (2, 8, 1, 520, dict(softcap=3.0, softmax_scale=-0.2))])
+def test_dense_short_queries_take_the_kv_cache_kernels(Sq, Hq, Hkv, Sk, options, device):
+    """flash_attention_science with a few queries against many keys (a model decoding with its
+    cache) runs the split-KV kernels by itself: outputs and lse against float64, and gradients
+    through the backward kernels from its out and lse."""
+    from flashmoe_science import flash_attention_science
+    from test_attention_backward import assert_grads_close
+
+    q = torch.randn(2, Sq, Hq, 32, device=device).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, Sk, Hkv, 32, device=device).transpose(1, 2).requires_grad_() for _ in range(2))
+    clear_records()
+    out, lse = flash_attention_science(q, k, v, causal=True, return_lse=True, **options)
+    assert last_launch("attention_decode_split") is not None and last_launch("attention_forward") is None
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=True, **options)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=2e-5, rtol=1e-5)
+    assert out.stride() == q.stride()
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    refs = torch.autograd.grad(attention_reference(*leaves, causal=True, **options)[0], leaves, grad_out.double())
+    assert_grads_close(grads, refs, torch.float32)
+
+
+@given(st.data())
+def test_any_cache_matches_reference(data):
+    """Property: any batch, query length, GQA ratio, head dim, capacity, page size, lengths
+    (including 0 and full), split count, window, softcap and scale, contiguous and paged alike."""
+    draw = data.draw
+    heads_kv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    batch, seqlen_q = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    dim = draw(st.sampled_from([16, 24, 32, 64]))
+    page_size = draw(st.sampled_from([0, 16, 32]))
+    capacity = draw(st.integers(1, 5)) * 32
+    lengths = [draw(st.integers(0, capacity)) for _ in range(batch)]
+    options = dict(softmax_scale=draw(st.sampled_from([None, 0.5, -0.3])),
+                   softcap=draw(st.sampled_from([0.0, 2.0])),
+                   window_size=(draw(st.sampled_from([-1, 0, 7, 40])), -1))
+    causal = draw(st.booleans())
+    num_splits = draw(st.sampled_from([0, 1, 2, 5]))
+    q = torch.randn(batch, seqlen_q, heads_kv * group, dim)
+    k_cache, v_cache = make_cache(batch, capacity, heads_kv, dim, torch.float32, "cpu", lengths)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    table = None
+    if page_size:
+        k_cache, table = paged(k_cache, page_size)
+        v_cache = pages_like(v_cache, k_cache, table)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out, lse = flash_attention_with_kvcache(q.to(device), k_cache.to(device), v_cache.to(device),
+                                            cache_seqlens=seqlens.to(device),
+                                            block_table=None if table is None else table.to(device), causal=causal,
+                                            num_splits=num_splits, return_lse=True, **options)
+    if table is not None:
+        k_cache = k_cache[table.flatten().long()].reshape(batch, capacity, heads_kv, dim)
+        v_cache = v_cache[table.flatten().long()].reshape(batch, capacity, heads_kv, dim)
+    ref, ref_lse = reference(q, k_cache, v_cache, lengths, causal, **options)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    tol = 3e-2 if out.is_cuda else 2e-5  # the GPU's fp32 products may run as TF32
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.cpu().double()[seen], ref_lse[seen].double(), atol=tol, rtol=tol)
+
+
+# ---- GPU: bf16, realistic sizes, PyTorch's own error, CUDA graphs ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [0, 16, 256])
+@pytest.mark.parametrize("B,Sq,Hq,Hkv,D,capacity", [(1, 1, 32, 8, 128, 65536), (8, 1, 32, 8, 128, 8192),
+                                                    (64, 1, 32, 32, 64, 2048), (4, 8, 32, 8, 256, 4096),
+                                                    (2, 1, 16, 2, 96, 3000)])
+def test_gpu_decode_within_twice_pytorch(B, Sq, Hq, Hkv, D, capacity, page_size):
+    if page_size and capacity % page_size:
+        pytest.skip("the capacity is not a whole number of pages")
+    generator = torch.Generator().manual_seed(B * capacity)
+    lengths = torch.randint(0, capacity + 1, (B,), generator=generator).tolist()
+    lengths[0] = capacity
+    q = torch.randn(B, Sq, Hq, D, dtype=torch.bfloat16, device="cuda")
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.bfloat16, "cpu", lengths)
+    table = None
+    if page_size:
+        k_pages, table = paged(k_cache, page_size, generator)
+        k_cache, v_cache, table = k_pages, pages_like(v_cache, k_pages, table), table.cuda()
+    out = flash_attention_with_kvcache(q, k_cache.cuda(), v_cache.cuda(), block_table=table,
+                                       cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    contiguous_k = k_cache if not page_size else k_cache[table.cpu().flatten().long()].reshape(B, capacity, Hkv, D)
+    contiguous_v = v_cache if not page_size else v_cache[table.cpu().flatten().long()].reshape(B, capacity, Hkv, D)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert torch.all(out[b] == 0)
+            continue
+        qb = q[b:b + 1].transpose(1, 2)
+        kb, vb = (t[b:b + 1, :n].cuda().transpose(1, 2) for t in (contiguous_k, contiguous_v))
+        ref, _ = attention_reference(qb.double(), kb.double(), vb.double(), causal=True)
+        theirs, _ = attention_reference(qb, kb, vb, causal=True, upcast=False)
+        assert rel_error(out[b:b + 1].transpose(1, 2), ref) <= 2 * rel_error(theirs, ref) + 1e-4, b
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_replays_in_a_cuda_graph_with_new_lengths_and_pages():
+    B, Hq, Hkv, D, page_size, pages_per_seq = 4, 32, 8, 128, 16, 64
+    num_pages = B * pages_per_seq + 8
+    k_pages, v_pages = (torch.randn(num_pages, page_size, Hkv, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    table = torch.arange(B * pages_per_seq, dtype=torch.int32, device="cuda").reshape(B, pages_per_seq)
+    lengths = torch.tensor([100, 300, 17, 1000], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, 1, Hq, D, dtype=torch.bfloat16, device="cuda")
+    k_new, v_new = (torch.randn(B, 1, Hkv, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+
+    def step():
+        return flash_attention_with_kvcache(q, k_pages, v_pages, k_new, v_new, cache_seqlens=lengths, block_table=table)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for new_lengths in ([5, 600, 33, 0], [1000, 1, 2, 512]):
+        lengths.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        table.copy_(table.flip(0))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = step()  # eager, the same inputs (the append writes the same values again)
+        assert torch.equal(static_out, expected)
