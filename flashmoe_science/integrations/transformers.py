@@ -1,0 +1,135 @@
+"""Hugging Face transformers on our kernels: `register()`, then
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fms", experts_implementation="fms")
+
+(or `from_config`). The name "fms" is registered with transformers' `AttentionInterface`,
+`AttentionMaskInterface` and `ExpertsInterface` (5.x). Not a name containing "flash": transformers
+treats any such attention name as a flash-attn kernel to fetch from its hub.
+
+- Attention (`fms_attention_forward`): query, key, value (B, H, S, D) as transformers passes
+  them, GQA without repeating K and V; causal (bottom-right) and sliding windows without a dense
+  mask; a padded batch (the 2-D padding mask `flash_attention_mask` leaves when some token is
+  padding) through `flash_attention_varlen` on the unpadded tokens; decoding with the cache
+  (one query against the cached keys) through the split-KV kernels that `flash_attention_science`
+  picks for short queries. Dropout in training, attention sinks and dense masks raise a clear
+  error.
+- Experts (`fms_experts_forward`): `fused_experts` on the module's own `gate_up_proj` (E, 2I, H:
+  gate rows then up rows) and `down_proj` (E, H, I), forward and backward, with the model's
+  router (its top-k ids and weights). Experts our kernels cannot express (transposed or
+  interleaved weights, biases, no gate, a custom gate, a post-expert norm, an activation other
+  than SiLU or tanh-GELU, expert parallelism) run transformers' `grouped_mm` experts, with a
+  warning naming the reason once per module class.
+
+Importing `flashmoe_science` never imports transformers; this module does (the `[hf]` extra).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..attention import flash_attention_science, flash_attention_varlen
+from ..moe import fused_experts
+
+NAME = "fms"
+# transformers' activation names our gated kernels compute, by our name for them.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
+_WARNED: set = set()
+
+
+def register() -> None:
+    """Registers "fms" for attention, its mask and experts with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, fms_attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    ExpertsInterface.register(NAME, fms_experts_forward)
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"attn_implementation='{NAME}' does not support {what}; use 'sdpa' or 'eager' "
+                               "for this model")
+
+
+def fms_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                          softcap=None, is_causal=None, **kwargs):
+    """transformers' attention contract: query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D);
+    returns (output (B, Sq, Hq, D), None)."""
+    if dropout and module.training:
+        raise _unsupported(f"attention dropout in training (dropout={dropout})")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise _unsupported("attention sinks")
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
+    options = dict(softmax_scale=scaling, window_size=window, softcap=float(softcap or 0.0))
+    if attention_mask is None:
+        out = flash_attention_science(query, key, value, causal, **options)
+        return out.transpose(1, 2), None
+    if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
+        raise _unsupported(f"a {attention_mask.dim()}-D {attention_mask.dtype} attention mask (only the 2-D padding "
+                           f"mask of its '{NAME}' mask function)")
+    return _padded_attention(query, key, value, attention_mask, causal, options), None
+
+
+def _padded_attention(query, key, value, mask, causal, options):
+    """A padded batch as packed sequences: key b's valid tokens are mask[b] (the last Sk entries of
+    the padding mask), query b's the last Sq of them; outputs of padding queries are 0."""
+    batch, heads_q, seqlen_q, dim = query.shape
+    seqlen_k = key.shape[2]
+    mask = mask[:, -seqlen_k:]
+    q_mask = mask[:, -seqlen_q:]
+    k_index = mask.flatten().nonzero().squeeze(1)
+    q_index = q_mask.flatten().nonzero().squeeze(1)
+    lengths_k, lengths_q = mask.sum(1, dtype=torch.int32), q_mask.sum(1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32, device=query.device)
+    cu_k = torch.cat([zero, lengths_k.cumsum(0, dtype=torch.int32)])
+    cu_q = torch.cat([zero, lengths_q.cumsum(0, dtype=torch.int32)])
+    q = query.transpose(1, 2).reshape(batch * seqlen_q, heads_q, dim)[q_index]
+    k = key.transpose(1, 2).reshape(batch * seqlen_k, key.shape[1], dim)[k_index]
+    v = value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], dim)[k_index]
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal, **options)
+    full = out.new_zeros(batch * seqlen_q, heads_q, dim)
+    full = full.index_copy(0, q_index, out)
+    return full.view(batch, seqlen_q, heads_q, dim)
+
+
+def _fallback_reason(module, hidden_states) -> str | None:
+    """Why our kernels cannot run this experts module as it is, or None."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    flags = {"is_transposed": True, "has_bias": True, "has_gate": False, "is_concatenated": False,
+             "has_post_expert_norm": True, "_is_expert_parallel": True}
+    for flag, bad in flags.items():
+        if getattr(module, flag, not bad) == bad:
+            return f"{flag}={bad}"
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return "a custom _apply_gate"
+    act = getattr(module.config, "hidden_act", None)
+    if act not in _ACTIVATIONS:
+        return f"activation {act!r} (ours: {', '.join(sorted(_ACTIVATIONS))})"
+    experts, inner2, hidden = module.gate_up_proj.shape
+    if hidden_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {hidden_states.dtype}"
+    if experts > 256 or hidden % 16 or (inner2 // 2) % 16:
+        return f"E={experts}, H={hidden}, I={inner2 // 2} (ours: E <= 256, H and I multiples of 16)"
+    return None
+
+
+def fms_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts contract: hidden_states (T, H), top_k_index (T, K) and top_k_weights
+    (T, K) from the model's router; returns (T, H)."""
+    reason = _fallback_reason(self, hidden_states)
+    if reason is not None:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        if type(self) not in _WARNED:
+            _WARNED.add(type(self))
+            warnings.warn(f"experts_implementation='{NAME}': {type(self).__name__} runs transformers' grouped_mm "
+                          f"experts ({reason} is not supported by the fused kernels)", stacklevel=2)
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    if top_k_index.shape[1] > 8:
+        raise NotImplementedError(f"experts_implementation='{NAME}' supports top_k up to 8, got {top_k_index.shape[1]}")
+    return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index,
+                         activation=_ACTIVATIONS[self.config.hidden_act])

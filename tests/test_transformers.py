@@ -1,0 +1,125 @@
+"""Hugging Face transformers models on our kernels (`flashmoe_science.integrations.transformers`):
+tiny random configurations of real model classes, attn_implementation="fms" and
+experts_implementation="fms" against the model's own "eager" implementations, on the CPU through
+the interpreter in fp32: logits, parameter gradients, padded batches, greedy generation."""
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashmoe_science.integrations.transformers import register  # noqa: E402
+from flashmoe_science.launch import clear_records, last_launch  # noqa: E402
+
+register()
+
+# Small widths (multiples of 16, as the kernels need), two layers, weights drawn large enough
+# (initializer_range) that each layer moves the residual stream well above fp32 rounding.
+_COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, max_position_embeddings=128, initializer_range=0.2)
+FAMILIES = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                                     num_experts_per_tok=2, **_COMMON),
+    "mixtral": lambda: transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                                  **_COMMON),
+    "olmoe": lambda: transformers.OlmoeConfig(intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                              **{k: v for k, v in _COMMON.items() if k != "head_dim"}),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=32, num_experts=4,
+                                                     num_experts_per_tok=2,
+                                                     **{k: v for k, v in _COMMON.items() if k != "head_dim"}),
+}
+
+
+def models(family, attn="fms", experts="fms"):
+    """(eager model, ours) with the same weights, fp32."""
+    config = FAMILIES[family]()
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          experts_implementation="eager").float()
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                                         experts_implementation=experts).float()
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_and_gradients_match_eager(family):
+    eager, ours = models(family)
+    ids = torch.randint(0, 96, (2, 24))
+    clear_records()
+    out = ours(ids, labels=ids)
+    assert last_launch("attention_forward") is not None and last_launch("moe_gate_up") is not None
+    ref = eager(ids, labels=ids)
+    assert rel(out.logits, ref.logits) < 1e-5
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), (_, p_ref) in zip(ours.named_parameters(), eager.named_parameters()):
+        if p_ref.grad is not None and p_ref.grad.norm() > 0:
+            assert rel(p.grad, p_ref.grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_padded_batches_go_through_packed_sequences(family):
+    eager, ours = models(family)
+    ids = torch.randint(0, 96, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0  # left padding
+    mask[2, 15:] = 0  # right padding
+    clear_records()
+    logits = ours(ids, attention_mask=mask).logits
+    assert last_launch("attention_forward").constexprs["VARLEN"] is True
+    ref = eager(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert rel(logits[valid], ref[valid]) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_greedy_generation_gives_eager_tokens(family):
+    eager, ours = models(family)
+    prompt = torch.randint(0, 96, (1, 6))
+    tokens = ours.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert torch.equal(tokens, eager.generate(prompt, max_new_tokens=16, do_sample=False))
+
+
+def test_experts_that_the_kernels_cannot_express_fall_back_with_one_warning(monkeypatch):
+    from flashmoe_science.integrations import transformers as integration
+
+    eager, ours = models("qwen3_moe")
+    monkeypatch.setattr(integration, "_WARNED", set())
+    for layer in ours.model.layers:  # an identity norm: the same results by another path
+        layer.mlp.experts.has_post_expert_norm = True
+        layer.mlp.experts.post_expert_norm = torch.nn.Identity()
+    ids = torch.randint(0, 96, (2, 12))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        clear_records()
+        logits = ours(ids).logits
+    assert last_launch("moe_gate_up") is None
+    assert sum("grouped_mm" in str(w.message) and "has_post_expert_norm" in str(w.message) for w in caught) == 1
+    assert rel(logits, eager(ids).logits) < 1e-5
+
+
+def test_what_the_attention_cannot_honour_is_refused():
+    _, ours = models("qwen3_moe")
+    ours.config.attention_dropout = 0.1
+    for layer in ours.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    ours.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ours(torch.randint(0, 96, (1, 8)))
+
+
+def test_importing_the_package_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, flashmoe_science; flashmoe_science.fused_moe; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"TRITON_INTERPRET": "1",
+                         "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "False", out.stderr
