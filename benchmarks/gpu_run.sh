@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
-#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train moe-sweep
+#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train model moe-sweep
 #           moe-bwd-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
@@ -68,6 +68,8 @@ for stage in "${stages[@]}"; do
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;
+    model)  # transformers models end to end; needs transformers >= 5.17 (carry its wheels: no network there)
+      bench model ${MODEL_ARGS:-} ;;
     moe-sweep) bench moe --sweep --no-plot ${MOE_SWEEP_ARGS:-} ;;
     moe-bwd-sweep) bench moe --sweep --mode fwd+bwd --no-plot ${MOE_BWD_SWEEP_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;

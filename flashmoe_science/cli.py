@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-BENCHMARKS = ("attention", "moe")
+BENCHMARKS = ("attention", "moe", "model")
 
 
 def _use_interpreter_without_gpu(announce: bool) -> bool:

@@ -123,3 +123,19 @@ def test_importing_the_package_does_not_import_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"TRITON_INTERPRET": "1",
                          "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback of the benchmark")
+def test_bench_model_runs_tiny_configurations_through_the_interpreter():
+    import argparse
+
+    from flashmoe_science.bench import model
+
+    parser = argparse.ArgumentParser()
+    model.add_arguments(parser)
+    args = parser.parse_args(["--models", "qwen3-30b-a3b", "--impls", "ours", "eager"])
+    args.progress, args.checkpoint = (lambda items, desc="": items), (lambda rows: None)
+    result = model.run(args)
+    assert [r["impl"] for r in result["rows"]] == ["ours", "eager"]
+    assert all("error" not in r and r["train_tokens_per_s"] > 0 for r in result["rows"])
+    assert "qwen3-30b-a3b ours" in model.summarize(result)

@@ -1,0 +1,167 @@
+"""`flashmoe-science bench model`: real transformers architectures, end to end, on our kernels
+against transformers' own implementations, side by side in one run.
+
+Models: random weights in bf16 with the real widths of Qwen3-30B-A3B (layers cut to
+--layers), Mixtral-8x7B (fewer layers still: 14336-wide experts) and OLMoE-1B-7B in full.
+Implementations (attn_implementation / experts_implementation): "fms" / "fms" (ours, through
+`flashmoe_science.integrations.transformers`), "sdpa" / "grouped_mm" and "eager" / "eager".
+Measured per model and implementation:
+- train: one step (forward, loss, backward, AdamW) at batch x --seqlen tokens, in tokens/s;
+- prefill: the forward of the same batch without gradients, in ms;
+- decode: `generate` of --new-tokens tokens after a short prompt at batch 1 and 32, tokens/s.
+Times are medians of CUDA-event-timed repetitions after warm-up. On a machine without a GPU a
+tiny configuration of each family runs once through the interpreter to exercise the code, and
+the timings mean nothing.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..device import interpreter_active
+
+# name: (config class, config overrides with the real widths, layers at full size, GPU batch)
+MODELS = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                              moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4,
+                                              head_dim=128, num_experts=128, num_experts_per_tok=8), 4, 4),
+    "mixtral-8x7b": ("MixtralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                           num_experts_per_tok=2), 2, 2),
+    "olmoe-1b-7b": ("OlmoeConfig", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                                        num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                                        num_experts_per_tok=8), 16, 4),
+}
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=32, moe_intermediate_size=32, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2)
+IMPLEMENTATIONS = {"ours": ("fms", "fms"), "sdpa_grouped_mm": ("sdpa", "grouped_mm"), "eager": ("eager", "eager")}
+PROMPT = 32
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), default=list(IMPLEMENTATIONS))
+    parser.add_argument("--layers", type=int, default=None, help="layers of every model (default: each model's)")
+    parser.add_argument("--seqlen", type=int, default=4096, help="tokens per sequence of the train and prefill runs")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens each decode run generates")
+
+
+def _config(name, layers, device):
+    import transformers
+
+    cls, widths, default_layers, batch = MODELS[name]
+    config_cls = getattr(transformers, cls)
+    fields = set(config_cls().to_dict())
+    if device.type == "cpu":
+        widths = {k: v for k, v in TINY.items() if k in fields}
+        layers, batch = 2, 1
+    config = config_cls(**{k: v for k, v in widths.items() if k in fields},
+                        num_hidden_layers=layers or default_layers, max_position_embeddings=32768)
+    return config, batch
+
+
+def _timed(fn, repeats):
+    """Median milliseconds of `fn` over `repeats` runs after one warm-up (CUDA events on a GPU)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            import time
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _measure(model, batch, seqlen, new_tokens, vocab, device, repeats):
+    ids = torch.randint(0, vocab, (batch, seqlen), device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def train_step():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def prefill():
+        with torch.no_grad():
+            model(ids)
+
+    row = {}
+    model.train()
+    row["train_ms"] = _timed(train_step, repeats)
+    row["train_tokens_per_s"] = batch * seqlen / row["train_ms"] * 1e3
+    model.eval()
+    row["prefill_ms"] = _timed(prefill, repeats)
+    for decode_batch in ((1, 32) if device.type == "cuda" else (1,)):
+        prompt = torch.randint(0, vocab, (decode_batch, PROMPT), device=device)
+
+        def generate(prompt=prompt):
+            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+        ms = _timed(generate, max(1, repeats // 2))
+        row[f"decode_b{decode_batch}_tokens_per_s"] = decode_batch * new_tokens / ms * 1e3
+    return row
+
+
+def run(args) -> dict:
+    import transformers
+
+    from ..integrations.transformers import register
+
+    register()
+    gpu = torch.cuda.is_available()
+    if not gpu and not interpreter_active():
+        raise SystemExit("bench model needs a CUDA GPU, or TRITON_INTERPRET=1 for a tiny run through the interpreter")
+    device = torch.device("cuda" if gpu else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    seqlen, new_tokens, repeats = (args.seqlen, args.new_tokens, 3) if gpu else (16, 4, 1)
+    rows = []
+    for name in args.progress(args.models, desc="bench model"):
+        config, batch = _config(name, args.layers, device)
+        torch.manual_seed(0)
+        state = None
+        for impl in args.impls:
+            attn, experts = IMPLEMENTATIONS[impl]
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                                                  experts_implementation=experts, dtype=dtype)
+            model.to(device)
+            if state is None:
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                model.load_state_dict(state)
+            row = dict(model=name, impl=impl, attn_implementation=attn, experts_implementation=experts,
+                       layers=config.num_hidden_layers, batch=batch, seqlen=seqlen, new_tokens=new_tokens)
+            try:
+                row.update(_measure(model, batch, seqlen, new_tokens, config.vocab_size, device, repeats))
+            except (RuntimeError, NotImplementedError) as exc:  # out of memory, or a path a backend lacks
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            del model
+            if gpu:
+                torch.cuda.empty_cache()
+        args.checkpoint(rows)
+    meta = {"mode": "model", "dtype": str(dtype).replace("torch.", ""), "transformers": transformers.__version__,
+            "interpreter": interpreter_active()}
+    if not gpu:
+        meta["note"] = "no GPU: tiny configurations through Triton's interpreter; the timings mean nothing"
+    return {"name": "model", "rows": rows, "meta": meta}
+
+
+def summarize(result: dict) -> str:
+    lines = ["model impl | train tokens/s | prefill ms | decode tokens/s (batch 1, 32)"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"  {r['model']} {r['impl']} | {r['error']}")
+            continue
+        decode = ", ".join(f"{r[k]:.1f}" for k in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s") if k in r)
+        lines.append(f"  {r['model']} {r['impl']} | {r['train_tokens_per_s']:.0f} | {r['prefill_ms']:.1f} | {decode}")
+    return "\n".join(lines)
