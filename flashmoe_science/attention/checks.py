@@ -14,16 +14,21 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NO_WINDOW = (-1, -1)
 
 
+def check_tensor(name: str, t, ndim: int, dims: str, dtypes=DTYPES) -> None:
+    """`t` is a tensor of `ndim` dimensions (named `dims` in the message) and one of `dtypes`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d)[6:] for d in dtypes)}")
+
+
 def check_inputs(q, k, v, packed: bool = False) -> None:
     """q, k, v of a dense call (4-D), or of a packed variable-length call (3-D)."""
     ndim, dims = (3, "(total_tokens, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != ndim:
-            raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+        check_tensor(name, t, ndim, dims)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):

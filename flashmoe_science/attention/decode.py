@@ -24,24 +24,18 @@ import torch
 from ..device import check_runnable, info_for
 from ..launch import KernelLauncher, PlanCache
 from ._kernels.decode import attention_decode_combine_kernel, attention_decode_split_kernel, kv_cache_append_kernel
-from .checks import NO_WINDOW, check_band, check_bool, check_options
+from .checks import DTYPES, NO_WINDOW, check_band, check_bool, check_options, check_tensor
 from .configs import DECODE_COMBINE_BLOCK_M, decode_config, decode_splits, head_dim_block
 from .layouts import LOG2E, cdiv, kernel_window, positive_scale
 
 _SPLIT = KernelLauncher("attention_decode_split", attention_decode_split_kernel, fp32_dots=True)
 _COMBINE = KernelLauncher("attention_decode_combine", attention_decode_combine_kernel)
 _APPEND = KernelLauncher("kv_cache_append", kv_cache_append_kernel)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PLANS = PlanCache()
 
 
-def _check_tensor(name, t, ndim, dims, dtypes=_DTYPES):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d)[6:] for d in dtypes)}")
+def _check_tensor(name, t, ndim, dims, dtypes=DTYPES):
+    check_tensor(name, t, ndim, dims, dtypes)
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides {tuple(t.stride())}")
 
@@ -55,7 +49,8 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t, 4, cache_dims)
         if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, "
+                             f"{t.device}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
@@ -84,7 +79,8 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None
         for name, t in (("k", k), ("v", v)):
             _check_tensor(name, t, 4, "(batch, seqlen_new, heads_kv, head_dim)")
             if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.dtype != q.dtype or t.device != q.device:
-                raise ValueError(f"{name} must be (batch={batch}, seqlen_new, heads_kv={heads_kv}, head_dim={head_dim}) "
+                raise ValueError(f"{name} must be (batch={batch}, seqlen_new, heads_kv={heads_kv}, "
+                                 f"head_dim={head_dim}) "
                                  f"of q's dtype and device, got {tuple(t.shape)} {t.dtype} on {t.device}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")

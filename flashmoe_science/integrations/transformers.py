@@ -17,7 +17,7 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
   gate rows then up rows) and `down_proj` (E, H, I), forward and backward, with the model's
   router (its top-k ids and weights). Experts our kernels cannot express (transposed or
   interleaved weights, biases, no gate, a custom gate, a post-expert norm, an activation other
-  than SiLU or tanh-GELU, expert parallelism) run transformers' `grouped_mm` experts, with a
+  than SiLU or tanh-GELU, top_k above 8, expert parallelism) run transformers' `grouped_mm` experts, with a
   warning naming the reason once per module class.
 
 Importing `flashmoe_science` never imports transformers; this module does (the `[hf]` extra).
@@ -95,7 +95,7 @@ def _padded_attention(query, key, value, mask, causal, options):
     return full.view(batch, seqlen_q, heads_q, dim)
 
 
-def _fallback_reason(module, hidden_states) -> str | None:
+def _fallback_reason(module, hidden_states, top_k: int) -> str | None:
     """Why our kernels cannot run this experts module as it is, or None."""
     from transformers.integrations.moe import _default_apply_gate
 
@@ -114,13 +114,15 @@ def _fallback_reason(module, hidden_states) -> str | None:
         return f"dtype {hidden_states.dtype}"
     if experts > 256 or hidden % 16 or (inner2 // 2) % 16:
         return f"E={experts}, H={hidden}, I={inner2 // 2} (ours: E <= 256, H and I multiples of 16)"
+    if top_k > 8:
+        return f"top_k={top_k} (ours: up to 8)"
     return None
 
 
 def fms_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts contract: hidden_states (T, H), top_k_index (T, K) and top_k_weights
     (T, K) from the model's router; returns (T, H)."""
-    reason = _fallback_reason(self, hidden_states)
+    reason = _fallback_reason(self, hidden_states, top_k_index.shape[1])
     if reason is not None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -129,7 +131,5 @@ def fms_experts_forward(self, hidden_states, top_k_index, top_k_weights):
             warnings.warn(f"experts_implementation='{NAME}': {type(self).__name__} runs transformers' grouped_mm "
                           f"experts ({reason} is not supported by the fused kernels)", stacklevel=2)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    if top_k_index.shape[1] > 8:
-        raise NotImplementedError(f"experts_implementation='{NAME}' supports top_k up to 8, got {top_k_index.shape[1]}")
     return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index,
                          activation=_ACTIVATIONS[self.config.hidden_act])
