@@ -68,6 +68,11 @@ for stage in "${stages[@]}"; do
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;
+    tc)  # superconductor Tc, 5-fold, both splits; TC_DATA: the SuperCon CSV carried along (shared/ does not travel)
+      for split in random cluster; do
+        python3 -m flashmoe_science tc train --data "${TC_DATA:-out/data/Supercon_data.csv}" --split "$split" \
+          --out "$RESULTS/tc_$split" ${TC_ARGS:-} 2>&1 | tee -a "$RESULTS/tc.log"
+      done ;;
     model)  # transformers models end to end; needs transformers >= 5.17 (carry its wheels: no network there)
       bench model ${MODEL_ARGS:-} ;;
     moe-sweep) bench moe --sweep --no-plot ${MOE_SWEEP_ARGS:-} ;;

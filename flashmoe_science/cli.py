@@ -80,6 +80,51 @@ def _report(args) -> int:
     return 0
 
 
+def _tc(args) -> int:
+    import torch
+
+    from .science import tc
+    from .bench.common import progress
+
+    gpu = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.device("cuda" if gpu else "cpu")
+    backend = args.backend or ("kernels" if gpu else "torch")
+    if not gpu:
+        print(f"No GPU: the model runs on the CPU through PyTorch's reference paths (backend {backend}); use "
+              "--limit to keep it small", file=sys.stderr)
+    if args.tc_command == "train":
+        compounds = tc.load_supercon(args.data, limit=args.limit, on_error=args.on_error)
+        if args.superconductors_only:
+            compounds = [c for c in compounds if c.tc > 0]
+        options = dict(dim=args.dim, depth=args.depth, experts=args.experts)
+        folds, mean, models, predictions = tc.run_cross_validation(
+            compounds, folds=args.folds, split=args.split, epochs=args.epochs, device=device, backend=backend,
+            baseline=args.baseline != "none", seed=args.seed, model_options=options, progress=progress)
+        meta = {"data": str(args.data), "compounds": len(compounds), "split": args.split, "folds": args.folds,
+                "epochs": args.epochs, "device": str(device), "seed": args.seed,
+                "superconductors_only": args.superconductors_only, "model_options": {**options, "backend": backend}}
+        path = tc.write_outputs(args.out, folds, mean, models, predictions, meta)
+        for side, m in mean.items():
+            print(f"{side}: R2 {m['r2']:.3f}  RMSE {m['rmse_k']:.2f} K  MAE {m['mae_k']:.2f} K  "
+                  f"accuracy at 10 K {m['accuracy_10k']:.3f}")
+        print(f"wrote {path}")
+        return 0
+    models = tc.load_ensemble(args.model, device)
+    if args.tc_command == "predict":
+        formulas = args.formulas
+    else:
+        import csv
+
+        with open(args.candidates, newline="") as f:
+            formulas = [row[0] for row in csv.reader(f) if row and row[0] not in ("name", "formula")]
+    mean, spread = tc.predict_formulas(models, formulas, device)
+    ranked = sorted(zip(formulas, mean.tolist(), spread.tolist()), key=lambda r: -r[1])
+    for formula, tc_k, sd in ranked[:args.top] if args.tc_command == "screen" else zip(formulas, mean.tolist(),
+                                                                                       spread.tolist()):
+        print(f"{formula}\t{tc_k:.1f} K\t± {sd:.1f}")
+    return 0
+
+
 def _configs(args) -> int:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     import subprocess
@@ -127,6 +172,35 @@ def build_parser():
     report.add_argument("--documents", nargs="+", default=["README.md", "docs/benchmarks.md"])
     report.add_argument("--check", action="store_true", help="fail if the README is out of date")
     report.set_defaults(func=_report)
+
+    tc = sub.add_parser("tc", help="superconductor Tc from composition (SuperCon; the science extra)")
+    tc_sub = tc.add_subparsers(dest="tc_command", required=True)
+    train = tc_sub.add_parser("train", help="cross-validated training, against a Magpie gradient-boosting baseline")
+    train.add_argument("--data", required=True, help="SuperCon CSV (columns name, Tc)")
+    train.add_argument("--out", required=True,
+                       help="output folder: metrics.json, predictions.csv, model.pt, parity.png")
+    train.add_argument("--epochs", type=int, default=60)
+    train.add_argument("--folds", type=int, default=5)
+    train.add_argument("--split", choices=["random", "cluster"], default="random")
+    train.add_argument("--limit", type=int, default=None, help="read only the first N rows")
+    train.add_argument("--superconductors-only", action="store_true", help="drop compounds with Tc = 0")
+    train.add_argument("--baseline", choices=["gbt", "none"], default="gbt")
+    train.add_argument("--on-error", choices=["skip", "stop"], default="skip", help="on a malformed row")
+    train.add_argument("--dim", type=int, default=128)
+    train.add_argument("--depth", type=int, default=3)
+    train.add_argument("--experts", type=int, default=8)
+    train.add_argument("--seed", type=int, default=0)
+    for p in (train, tc_sub.add_parser("predict", help="predicted Tc of formulas, with the ensemble's spread"),
+              tc_sub.add_parser("screen", help="the highest predicted Tc among candidate compositions")):
+        p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+        p.add_argument("--backend", choices=["kernels", "torch"], default=None,
+                       help="our kernels (default on a GPU) or PyTorch's reference paths (default on the CPU)")
+        p.set_defaults(func=_tc)
+    tc_sub.choices["predict"].add_argument("model", help="model.pt written by tc train")
+    tc_sub.choices["predict"].add_argument("formulas", nargs="+")
+    tc_sub.choices["screen"].add_argument("model", help="model.pt written by tc train")
+    tc_sub.choices["screen"].add_argument("candidates", help="CSV whose first column holds formulas")
+    tc_sub.choices["screen"].add_argument("--top", type=int, default=20)
 
     configs = sub.add_parser("configs", help="compile every shipped kernel config for GPU targets: shared memory, "
                                              "registers, spills")

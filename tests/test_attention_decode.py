@@ -21,8 +21,8 @@ def reference(q, k_cache, v_cache, lengths, causal=True, **options):
     out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
     outs, lses = [], []
     for b, n in enumerate(lengths):
-        out, lse = attention_reference(q[b:b + 1].transpose(1, 2).double(), k_cache[b:b + 1, :n].transpose(1, 2).double(),
-                                       v_cache[b:b + 1, :n].transpose(1, 2).double(), causal=causal, **options)
+        q_b, k_b, v_b = (t[b:b + 1, :n if t is not q else None].transpose(1, 2).double() for t in (q, k_cache, v_cache))
+        out, lse = attention_reference(q_b, k_b, v_b, causal=causal, **options)
         outs.append(out.transpose(1, 2))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -300,7 +300,8 @@ def test_gpu_decode_within_twice_pytorch(B, Sq, Hq, Hkv, D, capacity, page_size)
 def test_gpu_decode_step_replays_in_a_cuda_graph_with_new_lengths_and_pages():
     B, Hq, Hkv, D, page_size, pages_per_seq = 4, 32, 8, 128, 16, 64
     num_pages = B * pages_per_seq + 8
-    k_pages, v_pages = (torch.randn(num_pages, page_size, Hkv, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k_pages, v_pages = (torch.randn(num_pages, page_size, Hkv, D, dtype=torch.bfloat16, device="cuda")
+                        for _ in range(2))
     table = torch.arange(B * pages_per_seq, dtype=torch.int32, device="cuda").reshape(B, pages_per_seq)
     lengths = torch.tensor([100, 300, 17, 1000], dtype=torch.int32, device="cuda")
     q = torch.randn(B, 1, Hq, D, dtype=torch.bfloat16, device="cuda")

@@ -1,0 +1,374 @@
+"""Superconductor critical temperature (Tc) from composition, on NIMS SuperCon.
+
+Each compound is a set of (element, amount) tokens: a packed variable-length batch with no
+padding, the workload of our varlen attention. The model (`TcSetTransformer`): per element
+token, a learned embedding of the element plus its standardised Magpie elemental properties and
+its fraction in the compound; `depth` blocks of [LayerNorm, self-attention over the compound's
+tokens (`flash_attention_varlen`), LayerNorm, `FlashMoELayer`]; attention pooling per compound;
+a regression head on log(1 + Tc). With backend="torch" the same parameters run PyTorch's SDPA
+on a padded batch and the per-expert loop of `moe.reference` (the CPU path, and the plain side
+of the speed comparison).
+
+Data (`load_supercon`): formulas parsed with pymatgen; a malformed row is reported with its line
+and skipped, or stops the run (`on_error`); duplicates (the same reduced composition) merged,
+Tc averaged, the count kept. Folds (`assign_folds`): random, or by cluster: every compound of
+one element set (all Y-Ba-Cu-O) in one fold. The baseline: gradient-boosted trees
+(scikit-learn) on matminer's Magpie composition features, on the same folds.
+
+Needs the `science` extra (pymatgen, matminer, scikit-learn).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import flash_attention_varlen
+from ..layers import FlashMoELayer
+from ..moe.reference import fused_moe_torch
+
+MAX_Z = 103
+MAGPIE_PROPERTIES = ("Number", "MendeleevNumber", "AtomicWeight", "MeltingT", "Column", "Row", "CovalentRadius",
+                     "Electronegativity", "NsValence", "NpValence", "NdValence", "NfValence", "NValence",
+                     "NsUnfilled", "NpUnfilled", "NdUnfilled", "NfUnfilled", "NUnfilled", "GSvolume_pa",
+                     "GSbandgap", "GSmagmom", "SpaceGroupNumber")
+TC_CLASS_K = 10.0  # Stanev et al.'s classification threshold
+
+
+@dataclass
+class Compound:
+    formula: str
+    elements: list  # atomic numbers
+    fractions: list  # molar fractions, summing to 1
+    tc: float
+    count: int = 1
+
+    @property
+    def element_set(self) -> str:
+        return "-".join(map(str, sorted(self.elements)))
+
+
+def parse_formula(formula: str):
+    """(reduced formula, atomic numbers, fractions) of a chemical formula; ValueError if pymatgen
+    cannot read it or it holds an element past Lr."""
+    from pymatgen.core import Composition, Element
+
+    try:
+        comp = Composition(formula)
+    except Exception as exc:  # pymatgen raises several types for bad input
+        raise ValueError(f"cannot parse formula {formula!r}: {exc}") from None
+    if comp.num_atoms <= 0:
+        raise ValueError(f"formula {formula!r} has no atoms")
+    unknown = [str(el) for el in comp.elements if not isinstance(el, Element)]
+    if unknown:  # pymatgen reads unknown symbols as dummy species
+        raise ValueError(f"formula {formula!r} holds unknown elements ({', '.join(unknown)})")
+    fractional = comp.fractional_composition
+    elements = [el.Z for el in fractional.elements]
+    if max(elements) > MAX_Z:
+        raise ValueError(f"formula {formula!r} holds an element past Z = {MAX_Z}")
+    return comp.reduced_formula, elements, [float(fractional[el]) for el in fractional.elements]
+
+
+def load_supercon(path, *, limit: int | None = None, on_error: str = "skip") -> list[Compound]:
+    """Compounds of a SuperCon CSV (columns name, Tc), duplicates merged (Tc averaged). A row whose
+    formula or Tc cannot be read is reported with its line number and skipped (on_error="skip")
+    or raises ValueError (on_error="stop")."""
+    if on_error not in ("skip", "stop"):
+        raise ValueError(f"on_error must be 'skip' or 'stop', got {on_error!r}")
+    merged: dict = {}
+    with open(path, newline="") as f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            if limit is not None and line - 1 > limit:
+                break
+            try:
+                try:
+                    tc = float(row["Tc"])
+                except (TypeError, ValueError):
+                    tc = float("nan")
+                if not math.isfinite(tc) or tc < 0:
+                    raise ValueError(f"Tc must be a finite number >= 0, got {row['Tc']!r}")
+                reduced, elements, fractions = parse_formula(row["name"])
+            except (ValueError, KeyError, TypeError) as exc:
+                message = f"{path}, line {line}: {exc}"
+                if on_error == "stop":
+                    raise ValueError(message) from None
+                warnings.warn(message + " (row skipped)", stacklevel=2)
+                continue
+            if reduced in merged:
+                c = merged[reduced]
+                c.tc = (c.tc * c.count + tc) / (c.count + 1)
+                c.count += 1
+            else:
+                merged[reduced] = Compound(reduced, elements, fractions, tc)
+    return list(merged.values())
+
+
+def assign_folds(compounds, folds: int, split: str = "random", seed: int = 0) -> list[int]:
+    """A fold for each compound: at random, or ("cluster") by element set, whole sets per fold,
+    balanced by size (largest sets first into the emptiest fold)."""
+    rng = random.Random(seed)
+    if split == "random":
+        order = list(range(len(compounds)))
+        rng.shuffle(order)
+        out = [0] * len(compounds)
+        for rank, i in enumerate(order):
+            out[i] = rank % folds
+        return out
+    if split != "cluster":
+        raise ValueError(f"split must be 'random' or 'cluster', got {split!r}")
+    groups: dict = {}
+    for i, c in enumerate(compounds):
+        groups.setdefault(c.element_set, []).append(i)
+    keys = sorted(groups, key=lambda k: (-len(groups[k]), rng.random()))
+    sizes, out = [0] * folds, [0] * len(compounds)
+    for key in keys:
+        fold = min(range(folds), key=lambda f: sizes[f])
+        sizes[fold] += len(groups[key])
+        for i in groups[key]:
+            out[i] = fold
+    return out
+
+
+def element_table() -> torch.Tensor:
+    """(MAX_Z + 1, properties) standardised Magpie elemental properties (0 where unknown)."""
+    from matminer.utils.data import MagpieData
+
+    data = MagpieData()
+    from pymatgen.core import Element
+
+    rows = []
+    for z in range(MAX_Z + 1):
+        if z == 0:
+            rows.append([float("nan")] * len(MAGPIE_PROPERTIES))
+            continue
+        el = Element.from_Z(z)
+        rows.append([float(data.get_elemental_property(el, p)) for p in MAGPIE_PROPERTIES])
+    table = torch.tensor(rows, dtype=torch.float64)
+    mean = torch.nanmean(table, 0)
+    std = torch.sqrt(torch.nanmean((table - mean) ** 2, 0)).clamp_min(1e-12)
+    return torch.nan_to_num((table - mean) / std).float()
+
+
+def pack(compounds, device) -> tuple:
+    """(atomic numbers (T,), fractions (T,), cu_seqlens (B + 1,) int32, longest, log1p Tc (B,))."""
+    z = torch.tensor([e for c in compounds for e in c.elements], dtype=torch.long)
+    frac = torch.tensor([f for c in compounds for f in c.fractions], dtype=torch.float32)
+    lengths = torch.tensor([len(c.elements) for c in compounds], dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0, dtype=torch.int32)])
+    target = torch.log1p(torch.tensor([c.tc for c in compounds], dtype=torch.float32))
+    return z.to(device), frac.to(device), cu.to(device), int(lengths.max()), target.to(device)
+
+
+class TcSetTransformer(nn.Module):
+    """Set transformer over a compound's element tokens (module docstring)."""
+
+    def __init__(self, table: torch.Tensor, dim: int = 128, heads: int = 4, depth: int = 3, experts: int = 8,
+                 expert_dim: int = 128, top_k: int = 2, backend: str = "kernels"):
+        super().__init__()
+        self.backend, self.heads, self.dim = backend, heads, dim
+        self.register_buffer("table", table)
+        self.embed = nn.Embedding(MAX_Z + 1, dim)
+        self.props = nn.Linear(table.shape[1], dim)
+        self.frac = nn.Linear(2, dim)
+        self.blocks = nn.ModuleList()
+        for _ in range(depth):
+            self.blocks.append(nn.ModuleDict(dict(norm1=nn.LayerNorm(dim), qkv=nn.Linear(dim, 3 * dim),
+                                                  out=nn.Linear(dim, dim), norm2=nn.LayerNorm(dim),
+                                                  moe=FlashMoELayer(dim, experts, expert_dim, top_k))))
+        self.pool_query = nn.Linear(dim, 1)
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 1))
+
+    def _attention(self, q, k, v, cu, longest):
+        if self.backend == "kernels":
+            return flash_attention_varlen(q, k, v, cu, cu, longest, longest)
+        # PyTorch: a zero-padded (B, H, L, D) batch with a key padding mask, unpadded after.
+        batch = cu.numel() - 1
+        lengths = (cu[1:] - cu[:-1]).long()
+        seq = torch.repeat_interleave(torch.arange(batch, device=q.device), lengths)
+        pos = torch.arange(q.shape[0], device=q.device) - cu[:-1].long()[seq]
+        padded = [t.new_zeros(batch, longest, *t.shape[1:]) for t in (q, k, v)]
+        for p, t in zip(padded, (q, k, v)):
+            p[seq, pos] = t
+        mask = torch.arange(longest, device=q.device)[None, :] < lengths[:, None]
+        out = F.scaled_dot_product_attention(*(p.transpose(1, 2) for p in padded), attn_mask=mask[:, None, None, :])
+        return out.transpose(1, 2)[seq, pos]
+
+    def _moe(self, layer, x):
+        if self.backend == "kernels":
+            return layer(x)
+        return fused_moe_torch(x, layer.w1, layer.w2, layer.router(x), layer.top_k)
+
+    def forward(self, z, frac, cu, longest):
+        x = self.embed(z) + self.props(self.table[z]) + self.frac(torch.stack([frac, torch.log(frac)], -1))
+        for block in self.blocks:
+            q, k, v = block["qkv"](block["norm1"](x)).view(-1, 3, self.heads, self.dim // self.heads).unbind(1)
+            x = x + block["out"](self._attention(q, k, v, cu, longest).reshape(-1, self.dim))
+            x = x + self._moe(block["moe"], block["norm2"](x))
+        # Attention pooling: a softmax over each compound's tokens of a learned score.
+        batch = cu.numel() - 1
+        seq = torch.repeat_interleave(torch.arange(batch, device=x.device), (cu[1:] - cu[:-1]).long())
+        score = self.pool_query(x).squeeze(-1)
+        score = score - score.max()
+        weight = torch.exp(score)
+        total = torch.zeros(batch, device=x.device).index_add(0, seq, weight)
+        pooled = torch.zeros(batch, self.dim, device=x.device).index_add(0, seq, weight[:, None] * x)
+        return self.head(pooled / total[:, None]).squeeze(-1)
+
+
+def metrics(pred_tc, true_tc) -> dict:
+    """R², RMSE and MAE in K, and the accuracy of classifying Tc above TC_CLASS_K."""
+    pred, true = torch.as_tensor(pred_tc, dtype=torch.float64), torch.as_tensor(true_tc, dtype=torch.float64)
+    resid = pred - true
+    ss_tot = ((true - true.mean()) ** 2).sum().item()
+    return {"r2": 1 - (resid ** 2).sum().item() / ss_tot if ss_tot > 0 else float("nan"),
+            "rmse_k": resid.pow(2).mean().sqrt().item(), "mae_k": resid.abs().mean().item(),
+            "accuracy_10k": ((pred > TC_CLASS_K) == (true > TC_CLASS_K)).double().mean().item()}
+
+
+def train_model(train, table, device, *, epochs, batch_size=256, lr=2e-3, seed=0, backend="kernels",
+                model_options=None, progress=None):
+    """A model trained on `train` compounds; returns (model, per-epoch mean losses, seconds, tokens/s)."""
+    torch.manual_seed(seed)
+    model = TcSetTransformer(table.to(device), backend=backend, **(model_options or {})).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=max(1, epochs * math.ceil(
+        len(train) / batch_size)))
+    rng = random.Random(seed)
+    losses, tokens, start = [], 0, time.perf_counter()
+    for _ in (progress or (lambda x, desc="": x))(range(epochs), desc="epochs"):
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        epoch_losses = []
+        for first in range(0, len(order), batch_size):
+            z, frac, cu, longest, target = pack([train[i] for i in order[first:first + batch_size]], device)
+            loss = F.mse_loss(model(z, frac, cu, longest), target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            epoch_losses.append(loss.item())
+            tokens += z.numel()
+        losses.append(statistics.fmean(epoch_losses))
+    seconds = time.perf_counter() - start
+    return model, losses, seconds, tokens / seconds
+
+
+@torch.no_grad()
+def predict(model, compounds, device, batch_size=1024) -> torch.Tensor:
+    """Predicted Tc in K (clamped at 0)."""
+    model.eval()
+    out = []
+    for first in range(0, len(compounds), batch_size):
+        z, frac, cu, longest, _ = pack(compounds[first:first + batch_size], device)
+        out.append(torch.expm1(model(z, frac, cu, longest)).clamp_min(0).cpu())
+    return torch.cat(out)
+
+
+def magpie_features(compounds):
+    """matminer's Magpie composition features (132 per compound)."""
+    from matminer.featurizers.composition import ElementProperty
+    from pymatgen.core import Composition
+
+    featurizer = ElementProperty.from_preset("magpie")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = [featurizer.featurize(Composition(c.formula)) for c in compounds]
+    return torch.nan_to_num(torch.tensor(rows, dtype=torch.float64)).numpy()
+
+
+def run_cross_validation(compounds, *, folds, split, epochs, device, backend="kernels", baseline=True, seed=0,
+                         batch_size=256, model_options=None, progress=None):
+    """Per fold: the model's and the baseline's metrics on the held-out compounds; their means."""
+    fold_of = assign_folds(compounds, folds, split, seed)
+    table = element_table()
+    features = magpie_features(compounds) if baseline else None
+    results, predictions = [], []
+    for fold in range(folds):
+        train = [c for c, f in zip(compounds, fold_of) if f != fold]
+        test_idx = [i for i, f in enumerate(fold_of) if f == fold]
+        test = [compounds[i] for i in test_idx]
+        model, losses, seconds, tokens_per_s = train_model(train, table, device, epochs=epochs, seed=seed + fold,
+                                                           backend=backend, batch_size=batch_size,
+                                                           model_options=model_options, progress=progress)
+        true = [c.tc for c in test]
+        pred = predict(model, test, device)
+        row = {"fold": fold, "train": len(train), "test": len(test), "losses": losses, "train_seconds": seconds,
+               "tokens_per_s": tokens_per_s, "model": metrics(pred, true)}
+        if baseline:
+            from sklearn.ensemble import HistGradientBoostingRegressor
+
+            train_idx = [i for i, f in enumerate(fold_of) if f != fold]
+            gbt = HistGradientBoostingRegressor(max_iter=500, learning_rate=0.05, random_state=seed)
+            gbt.fit(features[train_idx], [math.log1p(compounds[i].tc) for i in train_idx])
+            base = torch.expm1(torch.tensor(gbt.predict(features[test_idx]))).clamp_min(0)
+            row["baseline"] = metrics(base, true)
+        else:
+            base = None
+        predictions += [(compounds[i].formula, compounds[i].tc, float(p), None if base is None else float(b))
+                        for i, p, b in zip(test_idx, pred, base if base is not None else [None] * len(test_idx))]
+        results.append((row, model))
+    mean = {side: {k: statistics.fmean(r[0][side][k] for r in results) for k in results[0][0][side]}
+            for side in ("model", "baseline") if side in results[0][0]}
+    return [r for r, _ in results], mean, [m for _, m in results], predictions
+
+
+def write_outputs(out_dir, folds_rows, mean, models, predictions, meta) -> Path:
+    """metrics.json, predictions.csv, the fold models (model.pt) and parity.png (if matplotlib)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "metrics.json"
+    path.write_text(json.dumps({"meta": meta, "folds": folds_rows, "mean": mean}, indent=1) + "\n")
+    with open(out / "predictions.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["formula", "tc", "predicted_tc", "baseline_tc"])
+        writer.writerows(predictions)
+    torch.save({"options": meta["model_options"], "states": [m.state_dict() for m in models]}, out / "model.pt")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return path
+    true = [p[1] for p in predictions]
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(true, [p[2] for p in predictions], s=3, alpha=0.4,
+               label=f"set transformer (R² {mean['model']['r2']:.3f})")
+    if "baseline" in mean:
+        ax.scatter(true, [p[3] for p in predictions], s=3, alpha=0.4,
+                   label=f"Magpie gradient boosting (R² {mean['baseline']['r2']:.3f})")
+    top = max(true + [1.0])
+    ax.plot([0, top], [0, top], "k--", lw=0.8)
+    ax.set(xlabel="measured Tc (K)", ylabel="predicted Tc (K)")
+    ax.legend()
+    fig.savefig(out / "parity.png", dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def load_ensemble(path, device):
+    """The fold models saved by `write_outputs`."""
+    saved = torch.load(path, map_location=device, weights_only=True)
+    table = element_table()
+    models = []
+    for state in saved["states"]:
+        model = TcSetTransformer(table, **saved["options"]).to(device)
+        model.load_state_dict(state)
+        models.append(model)
+    return models
+
+
+def predict_formulas(models, formulas, device):
+    """(mean predicted Tc, spread across the ensemble) for each formula."""
+    compounds = [Compound(f, *parse_formula(f)[1:], tc=0.0) for f in formulas]
+    preds = torch.stack([predict(m, compounds, device) for m in models])
+    return preds.mean(0), preds.std(0) if len(models) > 1 else torch.zeros(len(formulas))

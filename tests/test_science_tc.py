@@ -1,0 +1,103 @@
+"""Superconductor Tc screening (`flashmoe_science.science.tc`): parsing, duplicate merging, folds,
+the set transformer on both backends, a training run that learns, the outputs' schema and
+determinism, on a few hundred synthetic rows of real formulas (CPU)."""
+import csv
+import json
+import random
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("pymatgen.core")
+pytest.importorskip("matminer")
+pytest.importorskip("sklearn")
+
+from flashmoe_science.science import tc  # noqa: E402
+
+ELEMENTS = ["Cu", "O", "Ba", "Y", "Fe", "As", "Nb", "Sn", "Mg", "B", "La", "Sr", "K", "Se"]
+
+
+def synthetic_rows(n, seed=0):
+    """(formula, Tc) with a learnable rule: cuprates warm, pnictides middling, the rest cold."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        elements = rng.sample(ELEMENTS, rng.randint(2, 5))
+        formula = "".join(f"{el}{rng.choice([1, 2, 3, 0.5, 1.5])}" for el in elements)
+        tc_k = 60.0 if {"Cu", "O"} <= set(elements) else 20.0 if {"Fe", "As"} <= set(elements) else 1.0
+        rows.append((formula, round(tc_k * rng.uniform(0.8, 1.2), 2)))
+    return rows
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["name", "Tc"])
+        writer.writerows(rows)
+    return path
+
+
+def test_parsing_merges_duplicates_and_names_malformed_rows(tmp_path):
+    path = write_csv(tmp_path / "d.csv", [("Ba0.4K0.6Fe2As2", 31.0), ("K0.6Ba0.4Fe2As2", 33.0), ("MgB2", 39.0),
+                                          ("Xx2O3", 5.0), ("Nb3Sn", "n/a"), ("YBa2Cu3O7", 92.0)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compounds = tc.load_supercon(path)
+    messages = [str(w.message) for w in caught]
+    assert any("line 5" in m and "Xx2O3" in m for m in messages)
+    assert any("line 6" in m and "Tc" in m for m in messages)
+    by_formula = {c.formula: c for c in compounds}
+    assert set(by_formula) == {"K0.6Ba0.4Fe2As2", "MgB2", "Ba2YCu3O7"}  # pymatgen's reduced formulas
+    merged = by_formula["K0.6Ba0.4Fe2As2"]
+    assert merged.count == 2 and merged.tc == pytest.approx(32.0)
+    assert sum(merged.fractions) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="line 5"):
+        tc.load_supercon(path, on_error="stop")
+
+
+def test_cluster_folds_keep_each_element_set_in_one_fold(tmp_path):
+    compounds = tc.load_supercon(write_csv(tmp_path / "d.csv", synthetic_rows(300)))
+    folds = tc.assign_folds(compounds, 4, "cluster")
+    fold_of_set = {}
+    for c, f in zip(compounds, folds):
+        assert fold_of_set.setdefault(c.element_set, f) == f
+    sizes = [folds.count(f) for f in range(4)]
+    assert min(sizes) > 0
+    random_folds = tc.assign_folds(compounds, 4, "random")
+    assert max(random_folds.count(f) for f in range(4)) - min(random_folds.count(f) for f in range(4)) <= 1
+
+
+def test_kernel_and_pytorch_backends_compute_the_same_model(device):
+    compounds = [tc.Compound(f, *tc.parse_formula(f)[1:], tc=1.0) for f in ("YBa2Cu3O7", "MgB2", "Nb3Sn", "Fe")]
+    table = tc.element_table()
+    torch.manual_seed(0)
+    ours = tc.TcSetTransformer(table, dim=32, heads=2, depth=2, experts=4, expert_dim=16).to(device)
+    plain = tc.TcSetTransformer(table, dim=32, heads=2, depth=2, experts=4, expert_dim=16, backend="torch").to(device)
+    plain.load_state_dict(ours.state_dict())
+    batch = tc.pack(compounds, device)[:4]
+    torch.testing.assert_close(ours(*batch), plain(*batch), atol=1e-4, rtol=1e-4)
+
+
+def test_training_learns_and_is_deterministic(tmp_path):
+    compounds = tc.load_supercon(write_csv(tmp_path / "d.csv", synthetic_rows(240)))
+    options = dict(dim=32, heads=2, depth=1, experts=4, expert_dim=16)
+    runs = []
+    for _ in range(2):
+        folds, mean, models, predictions = tc.run_cross_validation(compounds, folds=2, split="random", epochs=30,
+                                                                   device="cpu", backend="torch", batch_size=16,
+                                                                   model_options=options)
+        runs.append((folds, mean))
+    folds, mean = runs[0]
+    assert all(row["losses"][-1] < 0.5 * row["losses"][0] for row in folds)
+    assert mean["model"]["r2"] > 0.5 and -1 < mean["baseline"]["r2"] <= 1
+    assert [r["model"] for r in runs[0][0]] == [r["model"] for r in runs[1][0]]
+    meta = {"model_options": {**options, "backend": "torch"}}
+    path = tc.write_outputs(tmp_path / "out", folds, mean, models, predictions, meta)
+    saved = json.loads(path.read_text())
+    for side in ("model", "baseline"):
+        assert set(saved["mean"][side]) == {"r2", "rmse_k", "mae_k", "accuracy_10k"}
+    assert {"train_seconds", "tokens_per_s", "losses"} <= set(saved["folds"][0])
+    ensemble = tc.load_ensemble(tmp_path / "out" / "model.pt", "cpu")
+    predicted, spread = tc.predict_formulas(ensemble, ["YBa2Cu3O7", "MgB2"], "cpu")
+    assert predicted[0] > predicted[1] and spread.shape == (2,)
