@@ -103,6 +103,11 @@ def _tc(args) -> int:
         meta = {"data": str(args.data), "compounds": len(compounds), "split": args.split, "folds": args.folds,
                 "epochs": args.epochs, "device": str(device), "seed": args.seed,
                 "superconductors_only": args.superconductors_only, "model_options": {**options, "backend": backend}}
+        if args.compare_backends:
+            meta["speed"] = tc.compare_backends(compounds, device, model_options=options, seed=args.seed)
+            for name, row in meta["speed"].items():
+                print(f"{name}: " + (row["error"] if "error" in row else
+                                     f"{row['seconds_per_epoch']:.2f} s per epoch, {row['tokens_per_s']:.0f} tokens/s"))
         path = tc.write_outputs(args.out, folds, mean, models, predictions, meta)
         for side, m in mean.items():
             print(f"{side}: R2 {m['r2']:.3f}  RMSE {m['rmse_k']:.2f} K  MAE {m['mae_k']:.2f} K  "
@@ -190,6 +195,9 @@ def build_parser():
     train.add_argument("--depth", type=int, default=3)
     train.add_argument("--experts", type=int, default=8)
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--compare-backends", action="store_true",
+                       help="also time training epochs with our kernels, PyTorch (padded SDPA, per-expert loop) and "
+                            "PyTorch with torch._grouped_mm, from the same weights")
     for p in (train, tc_sub.add_parser("predict", help="predicted Tc of formulas, with the ensemble's spread"),
               tc_sub.add_parser("screen", help="the highest predicted Tc among candidate compositions")):
         p.add_argument("--device", choices=["cpu", "cuda"], default=None)

@@ -44,7 +44,8 @@ import torch
 from ..device import interpreter_active
 from ..flops import moe_flops
 from ..moe import backward, configs, experts, fused_moe, moe_route
-from ..moe.reference import fused_experts_torch, fused_moe_torch, gated_activation_torch, moe_route_torch
+from ..moe.reference import (fused_experts_torch, fused_moe_grouped_mm, fused_moe_torch,
+                             moe_route_torch)
 from . import common, moe_training
 from .timing import speedup_interval, time_gpu, time_wall
 
@@ -102,20 +103,6 @@ def make_layer(E, H, I, dtype, device, generator):
     return w1, w2
 
 
-def gmm_forward(x, w1, w2, router_logits, top_k):
-    """Sort the token-expert pairs by expert, then torch._grouped_mm for both expert matmuls."""
-    E, two_i, _ = w1.shape
-    weights, ids = moe_route_torch(router_logits, top_k)
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    ends = torch.searchsorted(flat[order], torch.arange(E, device=x.device), right=True).to(torch.int32)
-    tokens = order // top_k
-    h = torch._grouped_mm(x[tokens], w1.transpose(1, 2), offs=ends)
-    a = gated_activation_torch(h[:, : two_i // 2], h[:, two_i // 2:])
-    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=ends) * weights.flatten()[order, None].to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, y)
-
-
 def naive_forward(x, w1, w2, router_logits, top_k):
     weights, ids = moe_route_torch(router_logits, top_k)
     return fused_experts_torch(x, w1, w2, weights, ids)
@@ -130,7 +117,7 @@ def _gmm_unavailable(device, dtype, with_backward: bool = False) -> str | None:
                   torch.randn(2, 32, 16, device=device, dtype=dtype), torch.randn(8, 2, device=device)]
         for t in inputs:
             t.requires_grad_(with_backward)
-        out = gmm_forward(*inputs, 1)
+        out = fused_moe_grouped_mm(*inputs, 1)
         if with_backward:
             torch.autograd.grad(out, inputs, torch.randn_like(out))
     except Exception as exc:  # recorded in the results instead of failing the run
@@ -214,7 +201,7 @@ def run(args) -> dict:
     return {"name": RESULT_NAMES[args.mode], "rows": rows, "meta": meta}
 
 
-FORWARDS = {"ours": fused_moe, "gmm": gmm_forward, "naive": naive_forward}
+FORWARDS = {"ours": fused_moe, "gmm": fused_moe_grouped_mm, "naive": naive_forward}
 GRADIENT_NAMES = ("x", "w1", "w2", "router_logits")
 
 
@@ -285,7 +272,7 @@ def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator):
     device, dtype = w1.device, w1.dtype
     x = torch.randn(T, H, device=device, generator=generator).to(dtype)
     logits = torch.randn(T, E, device=device, generator=generator).to(dtype)
-    fns = {"ours": lambda: fused_moe(x, w1, w2, logits, k), "gmm": lambda: gmm_forward(x, w1, w2, logits, k),
+    fns = {"ours": lambda: fused_moe(x, w1, w2, logits, k), "gmm": lambda: fused_moe_grouped_mm(x, w1, w2, logits, k),
            "naive": lambda: naive_forward(x, w1, w2, logits, k)}
     # Correctness on the first rows, all with our routing (see the module docstring).
     S = min(T, REFERENCE_TOKENS)

@@ -48,3 +48,18 @@ def fused_moe_torch(hidden_states, w1, w2, router_logits, top_k, *, renormalize=
     """Routing by `moe_route_torch`, then `fused_experts_torch`."""
     weights, ids = moe_route_torch(router_logits, top_k, renormalize=renormalize, scoring=scoring)
     return fused_experts_torch(hidden_states, w1, w2, weights, ids, activation=activation)
+
+
+def fused_moe_grouped_mm(x, w1, w2, router_logits, top_k):
+    """`fused_moe_torch` the way torchtitan and transformers' grouped_mm experts compute it: sort
+    the token-expert pairs by expert, then torch._grouped_mm for both expert matmuls (SiLU)."""
+    E, two_i, _ = w1.shape
+    weights, ids = moe_route_torch(router_logits, top_k)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    ends = torch.searchsorted(flat[order], torch.arange(E, device=x.device), right=True).to(torch.int32)
+    tokens = order // top_k
+    h = torch._grouped_mm(x[tokens], w1.transpose(1, 2), offs=ends)
+    a = gated_activation_torch(h[:, : two_i // 2], h[:, two_i // 2:])
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=ends) * weights.flatten()[order, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, y)

@@ -5,9 +5,10 @@ padding, the workload of our varlen attention. The model (`TcSetTransformer`): p
 token, a learned embedding of the element plus its standardised Magpie elemental properties and
 its fraction in the compound; `depth` blocks of [LayerNorm, self-attention over the compound's
 tokens (`flash_attention_varlen`), LayerNorm, `FlashMoELayer`]; attention pooling per compound;
-a regression head on log(1 + Tc). With backend="torch" the same parameters run PyTorch's SDPA
-on a padded batch and the per-expert loop of `moe.reference` (the CPU path, and the plain side
-of the speed comparison).
+a regression head on log(1 + Tc). The same parameters run through PyTorch instead with
+backend="torch" (SDPA on a padded batch and the per-expert loop of `moe.reference`: the CPU path
+and the plain side of the speed comparison) or "torch_grouped_mm" (SDPA and
+`moe.reference.fused_moe_grouped_mm`, bf16 on a GPU as torch._grouped_mm wants).
 
 Data (`load_supercon`): formulas parsed with pymatgen; a malformed row is reported with its line
 and skipped, or stops the run (`on_error`); duplicates (the same reduced composition) merged,
@@ -35,7 +36,7 @@ from torch import nn
 
 from ..attention import flash_attention_varlen
 from ..layers import FlashMoELayer
-from ..moe.reference import fused_moe_torch
+from ..moe.reference import fused_moe_grouped_mm, fused_moe_torch
 
 MAX_Z = 103
 MAGPIE_PROPERTIES = ("Number", "MendeleevNumber", "AtomicWeight", "MeltingT", "Column", "Row", "CovalentRadius",
@@ -206,7 +207,12 @@ class TcSetTransformer(nn.Module):
     def _moe(self, layer, x):
         if self.backend == "kernels":
             return layer(x)
-        return fused_moe_torch(x, layer.w1, layer.w2, layer.router(x), layer.top_k)
+        logits = layer.router(x)
+        if self.backend == "torch_grouped_mm":
+            dtype = torch.bfloat16 if x.is_cuda else x.dtype
+            return fused_moe_grouped_mm(x.to(dtype), layer.w1.to(dtype), layer.w2.to(dtype), logits,
+                                        layer.top_k).to(x.dtype)
+        return fused_moe_torch(x, layer.w1, layer.w2, logits, layer.top_k)
 
     def forward(self, z, frac, cu, longest):
         x = self.embed(z) + self.props(self.table[z]) + self.frac(torch.stack([frac, torch.log(frac)], -1))
@@ -223,6 +229,25 @@ class TcSetTransformer(nn.Module):
         total = torch.zeros(batch, device=x.device).index_add(0, seq, weight)
         pooled = torch.zeros(batch, self.dim, device=x.device).index_add(0, seq, weight[:, None] * x)
         return self.head(pooled / total[:, None]).squeeze(-1)
+
+
+BACKENDS = ("kernels", "torch", "torch_grouped_mm")
+
+
+def compare_backends(compounds, device, *, batch_size=256, model_options=None, seed=0) -> dict:
+    """One training epoch on `compounds` per backend, from the same initial weights: seconds and
+    tokens/s each, or the error that kept a backend from running."""
+    out = {}
+    table = element_table()
+    for backend in BACKENDS:
+        try:
+            _, _, seconds, tokens_per_s = train_model(compounds, table, device, epochs=2, batch_size=batch_size,
+                                                      seed=seed, backend=backend, model_options=model_options)
+        except Exception as exc:  # a backend this device cannot run (no GPU for the kernels, no bf16 grouped_mm)
+            out[backend] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        else:
+            out[backend] = {"seconds_per_epoch": seconds / 2, "tokens_per_s": tokens_per_s}
+    return out
 
 
 def metrics(pred_tc, true_tc) -> dict:
