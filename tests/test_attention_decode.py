@@ -297,6 +297,21 @@ def test_gpu_decode_within_twice_pytorch(B, Sq, Hq, Hkv, D, capacity, page_size)
 
 
 @pytest.mark.gpu
+def test_gpu_cached_launches_follow_the_options_and_an_int_length():
+    """Calls of one shape one after another: each takes its own softcap, lse and int cache length
+    (a launch cached for one must not serve another)."""
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16, device="cuda")
+    k_cache, v_cache = (torch.randn(2, 4096, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    for length, softcap, return_lse in ((4096, 0.0, False), (1000, 5.0, True), (17, 0.0, True), (4095, 5.0, False)):
+        out = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, softcap=softcap,
+                                           return_lse=return_lse)
+        out = out[0] if return_lse else out
+        ref, _ = reference(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [length] * 2,
+                           softcap=softcap)
+        assert rel_error(out.cpu(), ref) < 2e-2, (length, softcap, return_lse)
+
+
+@pytest.mark.gpu
 def test_gpu_decode_step_replays_in_a_cuda_graph_with_new_lengths_and_pages():
     B, Hq, Hkv, D, page_size, pages_per_seq = 4, 32, 8, 128, 16, 64
     num_pages = B * pages_per_seq + 8

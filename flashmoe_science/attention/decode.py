@@ -136,11 +136,16 @@ class DecodePlan:
         self.device_index = q.device.index if q.device.type == "cuda" else None
 
 
-def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, num_splits):
+def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
+              num_splits):
+    """What fixes a call's plan and every kernel specialisation (the launchers' cache key): shapes,
+    strides, alignment, dtypes, devices and options; not the values of an int cache length."""
     tensors = [t for t in (q, k_cache, v_cache, k, block_table) if t is not None]
-    return (tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors), q.dtype, q.device,
-            block_table is not None, k is not None, isinstance(cache_seqlens, torch.Tensor), causal, window_size,
-            num_splits)
+    if isinstance(cache_seqlens, torch.Tensor):
+        tensors.append(cache_seqlens)
+    return (tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors),
+            tuple(t.data_ptr() % 16 for t in tensors), q.dtype, q.device, block_table is not None, k is not None,
+            causal, window_size, softcap > 0, return_lse, num_splits)
 
 
 def _append(new, cache, cache_seqlens, block_table, plan, key, lengths_tensor, cache_len):
@@ -228,7 +233,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
     _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
-    key = _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, num_splits)
+    key = _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
+                    num_splits)
     plan = PLANS.get(key) or PLANS.remember(key, DecodePlan(q, k_cache, block_table, causal, window_size,
                                                              num_splits))
     lengths_tensor = isinstance(cache_seqlens, torch.Tensor)

@@ -37,7 +37,8 @@ def _sequence_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENG
     return seqlen_k, bad
 
 
-@triton.jit
+# cache_len (an int cache_seqlens) changes from call to call under one launch key: never specialised.
+@triton.jit(do_not_specialize=["cache_len"])
 def attention_decode_split_kernel(
     Q, K, V, O_PART, LSE_PART, CACHE_SEQLENS, BLOCK_TABLE,
     scale_log2, softcap_scale, softcap_log2,
@@ -162,7 +163,7 @@ def attention_decode_combine_kernel(
         tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cache_len"])
 def kv_cache_append_kernel(
     NEW, CACHE, CACHE_SEQLENS, BLOCK_TABLE,
     stride_nb, stride_nm, stride_nh,
