@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from flashmoe_science.bench import attention, report, timing
+from flashmoe_science.bench import attention, attention_workloads, report, timing
 from flashmoe_science.bench.sweeps import attention_forward as attention_sweeps
 from flashmoe_science.flops import attention_flops, attention_pairs
 
@@ -33,8 +33,8 @@ def test_attention_pairs_count_the_band():
 
 
 def test_varlen_lengths_are_reproducible_and_fit():
-    lengths = attention.varlen_lengths(16384, (64, 2048))
-    assert lengths == attention.varlen_lengths(16384, (64, 2048))
+    lengths = attention_workloads.varlen_lengths(16384, (64, 2048))
+    assert lengths == attention_workloads.varlen_lengths(16384, (64, 2048))
     assert all(64 <= n <= 2048 for n in lengths) and 16384 - 2048 < sum(lengths) <= 16384
 
 
@@ -47,10 +47,10 @@ def test_varlen_and_window_sections_rows_and_report():
     assert result["name"] == "attention_varlen_window_fwd_bwd"
     # Each section's end hands over every row so far: a run cut in the second keeps the first's.
     assert saved[-1] == result["rows"] and saved[0] == [r for r in result["rows"] if r["section"] == "varlen"]
-    work = attention.INTERPRETER_WORKLOAD
+    work = attention_workloads.INTERPRETER_WORKLOAD
     varlen = [r for r in result["rows"] if r["section"] == "varlen"]
     assert {(r["impl"], r["causal"]) for r in varlen} == set(itertools.product(("ours", "sdpa_padded"), (False, True)))
-    lengths = attention.varlen_lengths(work.tokens, work.lengths)
+    lengths = attention_workloads.varlen_lengths(work.tokens, work.lengths)
     for r in varlen:
         assert r["tokens"] == sum(lengths) and r["padded_tokens"] == len(lengths) * max(lengths)
         assert r["rel_err"] < 1e-5  # fp32: out, dq, dk and dv of the longest sequence
@@ -74,7 +74,7 @@ def test_varlen_and_window_sections_rows_and_report():
 
 def test_packed_layouts_hold_the_measured_sequence_and_flex_documents():
     lengths, index = [5, 130, 7], 1
-    documents, layouts = attention._packed_layouts(lengths, index, torch.device("cpu"))
+    documents, layouts = attention_workloads._packed_layouts(lengths, index, torch.device("cpu"))
     packed = torch.randn(sum(lengths), 2, 4)
     for name, layout in layouts.items():
         assert torch.equal(layout.sequence(layout.to_layout(packed)), packed[5:135]), name
@@ -83,7 +83,7 @@ def test_packed_layouts_hold_the_measured_sequence_and_flex_documents():
     assert flex.shape == (1, 2, 256, 4) and len(documents) == 256
     assert documents[:142].tolist() == [0] * 5 + [1] * 130 + [2] * 7 and set(documents[142:].tolist()) == {3}
     assert not flex[0, :, 142:].any()
-    causal = attention._document_mask(documents, True)
+    causal = attention_workloads._document_mask(documents, True)
     rows = torch.arange(256)
     visible = causal(0, 0, rows[:, None], rows[None, :])
     assert visible[140, 136] and not visible[136, 140] and not visible[142, 141] and visible[200, 150]
