@@ -646,8 +646,8 @@ def test_backward_sweep_of_a_sliding_window_times_every_candidate_alike(device):
     from flashmoe_science.bench.sweeps import attention_backward as backward_sweep
 
     rows = backward_sweep.sweep(head_dims=(16,), seqlens=(40,), dtype=torch.float32, device=device, tokens=40,
-                                window=8, hidden=32)
-    assert rows[0]["table_config"] and all(r["causal"] and r["window"] == 8 for r in rows)
+                                window=8, hidden=32, limit=6)  # each candidate compiles: a few of them
+    assert len(rows) == 6 and rows[0]["table_config"] and all(r["causal"] and r["window"] == 8 for r in rows)
     timed = [r for r in rows if "ms" in r]
     assert len(timed) == len(rows) and all(r["rel_diff_vs_table"] < 1e-5 for r in timed)
     assert backward_sweep.best_per_case(rows)[0].startswith("D=16 S=40 causal=True")

@@ -113,11 +113,12 @@ def gluon_backward_candidates(block_d: int):
 
 
 def sweep(head_dims=(64, 128, 256), seqlens=(4096,), causals=(False, True), dtype=torch.bfloat16,
-          device="cuda", tokens=TOKENS, window=None, hidden=HIDDEN, gluon=False) -> list[dict]:
+          device="cuda", tokens=TOKENS, window=None, hidden=HIDDEN, gluon=False, limit=None) -> list[dict]:
     """One row per (head dim, sequence length, causal, candidate): ms and TFLOP/s, or the error
     that kept the candidate from running (such as too little shared memory). With `window`, the
     calls are causal with that left window (`causals` is ignored). `gluon` times the table's
-    configuration and the Gluon kernels' candidates (`gluon_backward_candidates`) instead."""
+    configuration and the Gluon kernels' candidates (`gluon_backward_candidates`) instead.
+    `limit`: at most this many candidates per case, the table's first (each compiles anew)."""
     rows = []
     window_size = (-1, -1) if window is None else (window, 0)
     cases = list(itertools.product(head_dims, seqlens, causals if window is None else (True,)))
@@ -136,7 +137,7 @@ def sweep(head_dims=(64, 128, 256), seqlens=(4096,), causals=(False, True), dtyp
         candidates = backward_candidates(family, q.element_size(), head_dim_block(head_dim))
         if gluon:
             candidates = [next(candidates), *gluon_backward_candidates(head_dim_block(head_dim))]
-        for rank, cfg in enumerate(candidates):
+        for rank, cfg in enumerate(itertools.islice(candidates, limit)):
             row = dict(head_dim=head_dim, seqlen=seqlen, causal=causal, window=window, table_config=rank == 0,
                        config=str(cfg), dkdv=_fields(cfg.dkdv), dq=_fields(cfg.dq), gluon=cfg.gluon)
             try:
