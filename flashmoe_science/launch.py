@@ -34,7 +34,7 @@ class PlanCache(dict):
     """Plans (what a call's shapes, strides, dtypes and options decide) under their keys. Emptied
     when full, so a program that keeps changing shapes cannot grow it without bound."""
 
-    MAX_ENTRIES = 4096
+    MAX_ENTRIES = _MAX_ENTRIES
 
     def remember(self, key, plan):
         if len(self) >= self.MAX_ENTRIES:

@@ -148,13 +148,22 @@ def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window
             causal, window_size, softcap > 0, return_lse, num_splits)
 
 
-def _append(new, cache, cache_seqlens, block_table, plan, key, lengths_tensor, cache_len):
+def _lengths(cache_seqlens, placeholder) -> tuple:
+    """(CACHE_SEQLENS, cache_len, LENGTHS_TENSOR) as the kernels take cache_seqlens: a tensor
+    (`placeholder`, any tensor, stands in when it is an int, which travels as cache_len)."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens, 0, True
+    return placeholder, int(cache_seqlens), False
+
+
+def _append(new, cache, cache_seqlens, block_table, plan, key):
     batch, seqlen_new, heads_kv, head_dim = new.shape
     if new.numel() == 0:
         return
     table = block_table if block_table is not None else cache
+    lengths, cache_len, lengths_tensor = _lengths(cache_seqlens, cache)
     _APPEND.launch(key, (batch * seqlen_new, heads_kv, 1),
-                   (new, cache, cache_seqlens if lengths_tensor else cache, table, *new.stride()[:3],
+                   (new, cache, lengths, table, *new.stride()[:3],
                     *cache.stride()[:3], block_table.stride(0) if block_table is not None else 0, seqlen_new,
                     cache_len, plan.capacity, cache.shape[0], head_dim, plan.block_d, plan.page_size, lengths_tensor),
                    num_warps=1, num_stages=1, device_index=plan.device_index)
@@ -170,8 +179,6 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
     if q.numel() == 0:
         return
     heads_kv = k_cache.shape[2]
-    lengths_tensor = isinstance(cache_seqlens, torch.Tensor)
-    cache_len = 0 if lengths_tensor else int(cache_seqlens)
     scale = plan.default_scale if softmax_scale is None else float(softmax_scale)
     q, scale = positive_scale(q, scale)
     softcap = float(softcap)
@@ -180,7 +187,7 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
                          device=q.device)
     lse_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded), dtype=torch.float32,
                            device=q.device)
-    lengths = cache_seqlens if lengths_tensor else lse_part
+    lengths, cache_len, lengths_tensor = _lengths(cache_seqlens, lse_part)
     table = block_table if block_table is not None else lse_part
     _SPLIT.launch(key, plan.split_grid,
                   (q, k_cache, v_cache, o_part, lse_part, lengths, table, scale * LOG2E,
@@ -237,11 +244,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                     num_splits)
     plan = PLANS.get(key) or PLANS.remember(key, DecodePlan(q, k_cache, block_table, causal, window_size,
                                                              num_splits))
-    lengths_tensor = isinstance(cache_seqlens, torch.Tensor)
-    cache_len = 0 if lengths_tensor else int(cache_seqlens)
     if k is not None:
-        _append(k, k_cache, cache_seqlens, block_table, plan, key, lengths_tensor, cache_len)
-        _append(v, v_cache, cache_seqlens, block_table, plan, key, lengths_tensor, cache_len)
+        _append(k, k_cache, cache_seqlens, block_table, plan, key)
+        _append(v, v_cache, cache_seqlens, block_table, plan, key)
     out = torch.empty_like(q)
     batch, seqlen_q, heads_q, _ = q.shape
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None

@@ -51,8 +51,14 @@ def supports_backward(tensors, head_dim: int) -> bool:
 
 
 def tma_descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
-    """A Triton TMA descriptor over dense (B, H, S, D) `t` in tiles of `rows` x block_d."""
-    return _checked_descriptor(TensorDescriptor, t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
+    """A Triton TMA descriptor in tiles of `rows` x block_d over dense (B, H, S, D) `t`, or packed
+    (total, H, D) `t` seen as one batch entry (1, H, total, D)."""
+    if t.dim() == 3:
+        total, heads, head_dim = t.shape
+        shape, strides = [1, heads, total, head_dim], [t.numel(), t.stride(1), t.stride(0), 1]
+    else:
+        shape, strides = list(t.shape), list(t.stride())
+    return _checked_descriptor(TensorDescriptor, t, shape, strides, [1, 1, rows, block_d])
 
 
 def backward_descriptors(row_tensors, key_tensors, config, built=None):
@@ -65,16 +71,9 @@ def backward_descriptors(row_tensors, key_tensors, config, built=None):
     built = {} if built is None else built
 
     def describe(t, rows):
-        desc = built.get((id(t), rows))
-        if desc is not None:
-            return desc
-        if t.dim() == 3:
-            total, heads, head_dim = t.shape
-            shape, strides = [1, heads, total, head_dim], [t.numel(), t.stride(1), t.stride(0), 1]
-        else:
-            shape, strides = list(t.shape), list(t.stride())
-        desc = built[id(t), rows] = _checked_descriptor(TensorDescriptor, t, shape, strides, [1, 1, rows, block_d])
-        return desc
+        if (id(t), rows) not in built:
+            built[id(t), rows] = tma_descriptor(t, rows, block_d)
+        return built[id(t), rows]
 
     return (tuple(describe(t, config.block_m) for t in row_tensors),
             tuple(describe(t, config.block_n) for t in key_tensors))

@@ -26,15 +26,14 @@ from .forward import BOTH_EDGES, TF32, band_diagonals, finish, softmax_step
 
 
 @triton.jit
-def _sequence_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTHS_TENSOR: tl.constexpr):
-    """(keys the sequence attends to, whether its cache length was malformed)."""
+def _cached_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTHS_TENSOR: tl.constexpr):
+    """(tokens already in sequence b's cache, whether that length leaves room in the cache for the
+    new tokens: a length outside [0, max_seqlen_k - seqlen_new] is malformed)."""
     if LENGTHS_TENSOR:
         cached = tl.load(CACHE_SEQLENS + b)
     else:
         cached = cache_len
-    bad = (cached < 0) | (cached > max_seqlen_k - seqlen_new)
-    seqlen_k = tl.minimum(tl.maximum(cached, 0) + seqlen_new, max_seqlen_k)
-    return seqlen_k, bad
+    return cached, (cached >= 0) & (cached <= max_seqlen_k - seqlen_new)
 
 
 # cache_len (an int cache_seqlens) changes from call to call under one launch key: never specialised.
@@ -61,7 +60,9 @@ def attention_decode_split_kernel(
     b = pid_bh // num_heads_kv
     h_kv = pid_bh % num_heads_kv
     b64 = b.to(tl.int64)
-    seqlen_k, bad = _sequence_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTHS_TENSOR)
+    cached, fits = _cached_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTHS_TENSOR)
+    bad = ~fits
+    seqlen_k = tl.minimum(tl.maximum(cached, 0) + seqlen_new, max_seqlen_k)
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
 
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -179,12 +180,8 @@ def kv_cache_append_kernel(
     h = tl.program_id(1).to(tl.int64)
     b = pid // seqlen_new
     t = pid % seqlen_new
-    if LENGTHS_TENSOR:
-        cached = tl.load(CACHE_SEQLENS + b)
-    else:
-        cached = cache_len
+    cached, ok = _cached_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTHS_TENSOR)
     pos = cached + t
-    ok = (cached >= 0) & (cached <= max_seqlen_k - seqlen_new)
     if PAGE_SIZE > 0:
         page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_tb + pos // PAGE_SIZE, mask=ok, other=0)
         ok = ok & (page >= 0) & (page < num_pages)
