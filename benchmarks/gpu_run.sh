@@ -3,9 +3,10 @@
 # written under $OUT and packed into one archive (the device tool returns at most 8 files).
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]
-#   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep attention-small attention-fwd attention-bwd
+#   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep decode-sweep
+#           attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train model moe-sweep
-#           moe-bwd-sweep
+#           moe-bwd-sweep before-after
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
@@ -19,6 +20,7 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env tests attention-fwd attention-bwd attention-varlen-window attention-calls moe moe-fwd+bwd
                                    moe-train)
 TESTS=${TESTS:-tests}            # which tests the tests stage runs
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-explore}  # 60 fresh examples per property test ("gpu": 150)
 PYTEST_ARGS=${PYTEST_ARGS:--n 12 --durations=25}  # xdist workers compile kernels in parallel (the image has pytest-xdist)
 BENCH_ARGS=${BENCH_ARGS:-}       # extra options for every bench stage, e.g. "--repeats 3"
 bench() { python3 -m flashmoe_science bench "$@" --out "$RESULTS" $BENCH_ARGS 2>&1 | tee -a "$RESULTS/bench.log"; }
@@ -49,6 +51,8 @@ for stage in "${stages[@]}"; do
       bench attention --sweep-hopper --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" --no-plot
       python3 -m flashmoe_science.bench.sweeps.attention_backward --head-dims 128 --seqlens 16384 --window "${WINDOW:-1024}" \
         --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
+    decode-sweep)  # KV-cache tiles and split counts (bench/sweeps/attention_decode.py)
+      python3 -m flashmoe_science.bench.sweeps.attention_decode --out "$RESULTS" 2>&1 | tee -a "$RESULTS/bench.log" ;;
     sanitize)  # compute-sanitizer's four tools over every kernel path at small shapes (benchmarks/sanitize.py)
       for tool in memcheck racecheck synccheck initcheck; do
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --print-limit 20 \
@@ -75,6 +79,19 @@ for stage in "${stages[@]}"; do
       done ;;
     model)  # transformers models end to end; needs transformers >= 5.17 (carry its wheels: no network there)
       bench model ${MODEL_ARGS:-} ;;
+    before-after)  # ROUNDS (2) times the throughput benchmarks from $BASELINE (an older tree: git archive REV | tar -x -C out/baseline,
+                   # carried) and from this one, alternately, into $RESULTS/baseline<round> and current<round>
+      for round in $(seq "${ROUNDS:-2}"); do
+        for tree in ${TREES:-baseline current}; do
+          root=$PWD; [ "$tree" = baseline ] && root=$(cd "${BASELINE:-out/baseline}" && pwd)
+          (cd "$root" && export PYTHONPATH="$root" && for args in "attention --mode fwd" "attention --mode bwd"; do
+             python3 -m flashmoe_science bench $args --sections throughput --head-dims 64,128 --seqlens 8192 \
+               --flex-head-dims 0 --repeats 3 --no-plot --out "$RESULTS/$tree$round"
+           done
+           python3 -m flashmoe_science bench moe --shapes qwen3-30b-a3b mixtral-8x7b --tokens 16 4096 16384 --impls ours --repeats 3 \
+             --no-plot --out "$RESULTS/$tree$round") 2>&1 | tee -a "$RESULTS/bench.log"
+        done
+      done ;;
     moe-sweep) bench moe --sweep --no-plot ${MOE_SWEEP_ARGS:-} ;;
     moe-bwd-sweep) bench moe --sweep --mode fwd+bwd --no-plot ${MOE_BWD_SWEEP_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;

@@ -86,6 +86,12 @@ def _tc(args) -> int:
     from .science import tc
     from .bench.common import progress
 
+    if args.tc_command == "featurize":
+        compounds = tc.load_supercon(args.data, limit=args.limit, on_error=args.on_error)
+        path = tc.featurize(compounds, args.out, baseline=args.baseline != "none")
+        print(f"wrote {path}: {len(compounds)} compounds")
+        return 0
+
     gpu = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if gpu else "cpu")
     backend = args.backend or ("kernels" if gpu else "torch")
@@ -93,18 +99,30 @@ def _tc(args) -> int:
         print(f"No GPU: the model runs on the CPU through PyTorch's reference paths (backend {backend}); use "
               "--limit to keep it small", file=sys.stderr)
     if args.tc_command == "train":
-        compounds = tc.load_supercon(args.data, limit=args.limit, on_error=args.on_error)
+        table = features = None
+        if str(args.data).endswith(".pt"):  # written by tc featurize: no pymatgen or matminer needed
+            compounds, table, features = tc.load_features(args.data)
+            if args.limit is not None:
+                compounds, features = compounds[:args.limit], None if features is None else features[:args.limit]
+            if features is None and args.baseline != "none":
+                raise SystemExit(f"{args.data} holds no baseline features (featurized with --baseline none): "
+                                 "train with --baseline none, or featurize again")
+        else:
+            compounds = tc.load_supercon(args.data, limit=args.limit, on_error=args.on_error)
         if args.superconductors_only:
-            compounds = [c for c in compounds if c.tc > 0]
+            keep = [i for i, c in enumerate(compounds) if c.tc > 0]
+            compounds = [compounds[i] for i in keep]
+            features = None if features is None else features[keep]
         options = dict(dim=args.dim, depth=args.depth, experts=args.experts)
         folds, mean, models, predictions = tc.run_cross_validation(
             compounds, folds=args.folds, split=args.split, epochs=args.epochs, device=device, backend=backend,
-            baseline=args.baseline != "none", seed=args.seed, model_options=options, progress=progress)
+            baseline=args.baseline != "none", seed=args.seed, model_options=options, progress=progress, table=table,
+            features=features)
         meta = {"data": str(args.data), "compounds": len(compounds), "split": args.split, "folds": args.folds,
                 "epochs": args.epochs, "device": str(device), "seed": args.seed,
                 "superconductors_only": args.superconductors_only, "model_options": {**options, "backend": backend}}
         if args.compare_backends:
-            meta["speed"] = tc.compare_backends(compounds, device, model_options=options, seed=args.seed)
+            meta["speed"] = tc.compare_backends(compounds, device, model_options=options, seed=args.seed, table=table)
             for name, row in meta["speed"].items():
                 print(f"{name}: " + (row["error"] if "error" in row else
                                      f"{row['seconds_per_epoch']:.2f} s per epoch, {row['tokens_per_s']:.0f} tokens/s"))
@@ -181,13 +199,15 @@ def build_parser():
     tc = sub.add_parser("tc", help="superconductor Tc from composition (SuperCon; the science extra)")
     tc_sub = tc.add_subparsers(dest="tc_command", required=True)
     train = tc_sub.add_parser("train", help="cross-validated training, against a Magpie gradient-boosting baseline")
-    train.add_argument("--data", required=True, help="SuperCon CSV (columns name, Tc)")
+    train.add_argument("--data", required=True,
+                       help="SuperCon CSV (columns name, Tc), or a .pt file written by tc featurize")
     train.add_argument("--out", required=True,
                        help="output folder: metrics.json, predictions.csv, model.pt, parity.png")
     train.add_argument("--epochs", type=int, default=60)
     train.add_argument("--folds", type=int, default=5)
     train.add_argument("--split", choices=["random", "cluster"], default="random")
-    train.add_argument("--limit", type=int, default=None, help="read only the first N rows")
+    train.add_argument("--limit", type=int, default=None,
+                       help="read only the first N rows (compounds of a features file)")
     train.add_argument("--superconductors-only", action="store_true", help="drop compounds with Tc = 0")
     train.add_argument("--baseline", choices=["gbt", "none"], default="gbt")
     train.add_argument("--on-error", choices=["skip", "stop"], default="skip", help="on a malformed row")
@@ -198,6 +218,15 @@ def build_parser():
     train.add_argument("--compare-backends", action="store_true",
                        help="also time training epochs with our kernels, PyTorch (padded SDPA, per-expert loop) and "
                             "PyTorch with torch._grouped_mm, from the same weights")
+    featurize = tc_sub.add_parser("featurize", help="parse the formulas and compute the baseline's features once, "
+                                                    "into a file tc train reads without pymatgen or matminer")
+    featurize.add_argument("--data", required=True, help="SuperCon CSV (columns name, Tc)")
+    featurize.add_argument("--out", required=True, help="the features file (.pt)")
+    featurize.add_argument("--limit", type=int, default=None, help="read only the first N rows")
+    featurize.add_argument("--baseline", choices=["gbt", "none"], default="gbt",
+                           help="gbt: also the Magpie features the baseline trains on")
+    featurize.add_argument("--on-error", choices=["skip", "stop"], default="skip", help="on a malformed row")
+    featurize.set_defaults(func=_tc)
     for p in (train, tc_sub.add_parser("predict", help="predicted Tc of formulas, with the ensemble's spread"),
               tc_sub.add_parser("screen", help="the highest predicted Tc among candidate compositions")):
         p.add_argument("--device", choices=["cpu", "cuda"], default=None)

@@ -74,6 +74,21 @@ def test_gradients_match_reference(B, Hq, Hkv, Sq, Sk, D, dtype, causal, config,
     assert [g.dtype for g in grads] == [dtype] * 3
 
 
+@pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_one_element_calls_with_softcap_at_every_head_dim_tier(D, dtype, device):
+    """B = H = Sq = Sk = 1: every size argument 1, which Triton specialises as a constant (ptxas
+    once crashed on such a build of the sm90 dQ kernel)."""
+    q, k, v = make_qkv(1, 1, 1, 1, 1, D, dtype, device)
+    grad_out = torch.randn_like(q)
+    for softcap in (0.0, 0.5):
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+        flash_attention_science(q_, k_, v_, softcap=softcap).backward(grad_out)
+        ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        attention_reference(*ref, softcap=softcap)[0].backward(grad_out.double())
+        assert_grads_close([q_.grad, k_.grad, v_.grad], [t.grad for t in ref], dtype)
+
+
 @pytest.mark.parametrize("offset", [-17, -1, 1, 14, 15, 16, 30, 31])
 def test_causal_diagonal_at_every_block_alignment(offset, device):
     """Sk - Sq sweeps the diagonal across the tiny blocks' boundaries (16 and 32 rows), where an

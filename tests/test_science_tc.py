@@ -111,3 +111,34 @@ def test_training_learns_and_is_deterministic(tmp_path):
     ensemble = tc.load_ensemble(tmp_path / "out" / "model.pt", "cpu")
     predicted, spread = tc.predict_formulas(ensemble, ["YBa2Cu3O7", "MgB2"], "cpu")
     assert predicted[0] > predicted[1] and spread.shape == (2,)
+
+
+def test_featurized_file_trains_without_pymatgen_or_matminer(tmp_path):
+    """tc featurize writes what training needs once; tc train reads it where neither library is
+    installed (blocked here in a subprocess), with the same metrics as from the CSV."""
+    import subprocess
+    import sys
+
+    data = write_csv(tmp_path / "d.csv", synthetic_rows(60))
+    compounds = tc.load_supercon(data)
+    features_path = tc.featurize(compounds, tmp_path / "features.pt")
+    loaded, table, features = tc.load_features(features_path)
+    assert [vars(c) for c in loaded] == [vars(c) for c in compounds]
+    assert torch.equal(table, tc.element_table()) and (features == tc.magpie_features(compounds)).all()
+    with pytest.raises(ValueError, match="not a features file"):
+        torch.save({"rows": []}, tmp_path / "other.pt")
+        tc.load_features(tmp_path / "other.pt")
+
+    options = ["--folds", "2", "--epochs", "2", "--dim", "32", "--depth", "1", "--experts", "4", "--device", "cpu",
+               "--backend", "torch"]
+    code = ("import sys; sys.modules['pymatgen'] = sys.modules['matminer'] = None\n"
+            "from flashmoe_science.cli import main\n"
+            f"sys.exit(main(['tc', 'train', '--data', {str(features_path)!r}, '--out', {str(tmp_path / 'a')!r}, "
+            f"*{options!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from flashmoe_science.cli import main
+
+    assert main(["tc", "train", "--data", str(data), "--out", str(tmp_path / "b"), *options]) == 0
+    metrics = [json.loads((tmp_path / side / "metrics.json").read_text())["mean"] for side in ("a", "b")]
+    assert metrics[0] == metrics[1]

@@ -1,7 +1,8 @@
 """Hugging Face transformers models on our kernels (`flashmoe_science.integrations.transformers`):
 tiny random configurations of real model classes, attn_implementation="fms" and
 experts_implementation="fms" against the model's own "eager" implementations, on the CPU through
-the interpreter in fp32: logits, parameter gradients, padded batches, greedy generation."""
+the interpreter in fp32 (on the GPU where there is one): logits, parameter gradients, padded
+batches, greedy generation."""
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from flashmoe_science.integrations.transformers import register  # noqa: E402
 from flashmoe_science.launch import clear_records, last_launch  # noqa: E402
 
 register()
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # Small widths (multiples of 16, as the kernels need), two layers, weights drawn large enough
 # (initializer_range) that each layer moves the residual stream well above fp32 rounding.
@@ -33,7 +35,7 @@ FAMILIES = {
 
 
 def models(family, attn="fms", experts="fms"):
-    """(eager model, ours) with the same weights, fp32."""
+    """(eager model, ours) with the same weights, fp32, on DEVICE."""
     config = FAMILIES[family]()
     torch.manual_seed(0)
     eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
@@ -41,7 +43,7 @@ def models(family, attn="fms", experts="fms"):
     ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
                                                          experts_implementation=experts).float()
     ours.load_state_dict(eager.state_dict())
-    return eager, ours
+    return eager.to(DEVICE), ours.to(DEVICE)
 
 
 def rel(a, b):
@@ -51,7 +53,7 @@ def rel(a, b):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_and_gradients_match_eager(family):
     eager, ours = models(family)
-    ids = torch.randint(0, 96, (2, 24))
+    ids = torch.randint(0, 96, (2, 24), device=DEVICE)
     clear_records()
     out = ours(ids, labels=ids)
     assert last_launch("attention_forward") is not None and last_launch("moe_gate_up") is not None
@@ -67,7 +69,7 @@ def test_logits_and_gradients_match_eager(family):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_padded_batches_go_through_packed_sequences(family):
     eager, ours = models(family)
-    ids = torch.randint(0, 96, (3, 20))
+    ids = torch.randint(0, 96, (3, 20), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :7] = 0  # left padding
     mask[2, 15:] = 0  # right padding
@@ -82,7 +84,7 @@ def test_padded_batches_go_through_packed_sequences(family):
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_greedy_generation_gives_eager_tokens(family):
     eager, ours = models(family)
-    prompt = torch.randint(0, 96, (1, 6))
+    prompt = torch.randint(0, 96, (1, 6), device=DEVICE)
     tokens = ours.generate(prompt, max_new_tokens=16, do_sample=False)
     assert torch.equal(tokens, eager.generate(prompt, max_new_tokens=16, do_sample=False))
 
@@ -95,7 +97,7 @@ def test_experts_that_the_kernels_cannot_express_fall_back_with_one_warning(monk
     for layer in ours.model.layers:  # an identity norm: the same results by another path
         layer.mlp.experts.has_post_expert_norm = True
         layer.mlp.experts.post_expert_norm = torch.nn.Identity()
-    ids = torch.randint(0, 96, (2, 12))
+    ids = torch.randint(0, 96, (2, 12), device=DEVICE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         clear_records()
@@ -112,7 +114,7 @@ def test_what_the_attention_cannot_honour_is_refused():
         layer.self_attn.attention_dropout = 0.1
     ours.train()
     with pytest.raises(NotImplementedError, match="dropout"):
-        ours(torch.randint(0, 96, (1, 8)))
+        ours(torch.randint(0, 96, (1, 8), device=DEVICE))
 
 
 def test_importing_the_package_does_not_import_transformers():

@@ -14,9 +14,9 @@ from __future__ import annotations
 from itertools import product
 
 from ..kernel_build import KernelBuild
-from .configs import (DECODE_COMBINE_BLOCK_M, HOPPER_FORWARD, PREPROCESS_WARPS, BackwardConfig, backward_configs, decode_configs,
-                      dkdv_maxnreg, forward_configs, gluon_forward_configs, gluon_forward_tiles,
-                      gluon_separate_output, preprocess_block_m)
+from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, HOPPER_FORWARD, PREPROCESS_WARPS, BackwardConfig,
+                      backward_configs, decode_configs, dkdv_maxnreg, forward_configs, gluon_forward_configs,
+                      gluon_forward_tiles, gluon_separate_output, preprocess_block_m)
 
 
 def shipped_builds(capability: int):
@@ -49,8 +49,9 @@ def shipped_builds(capability: int):
 
 def _decode_builds():
     """The KV-cache kernels' builds: the split kernel per configuration, plain (a contiguous cache,
-    an int length) and with every option on (paged, softcap, a lengths tensor); the combine and
-    append kernels per dtype and head dim."""
+    an int length, partials for the combine kernel) and with every option on (paged, softcap, a
+    lengths tensor, one split writing the output and lse); the combine and append kernels per
+    dtype and head dim."""
     from ._kernels.decode import attention_decode_combine_kernel, attention_decode_split_kernel, kv_cache_append_kernel
 
     ptr = {2: "*fp16", 4: "*fp32"}
@@ -58,10 +59,11 @@ def _decode_builds():
         for paged, softcap in ((False, False), (True, True)):
             sig = {name: "i32" for name in attention_decode_split_kernel.arg_names}
             sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O_PART="*fp32",
-                       LSE_PART="*fp32", CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", scale_log2="fp32",
-                       softcap_scale="fp32", softcap_log2="fp32")
+                       LSE_PART="*fp32", OUT=ptr[element_size], LSE="*fp32", CACHE_SEQLENS="*i32",
+                       BLOCK_TABLE="*i32", scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                              PAGE_SIZE=16 if paged else 0, SOFTCAP=softcap, LENGTHS_TENSOR=paged)
+                              PAGE_SIZE=16 if paged else 0, SOFTCAP=softcap, LENGTHS_TENSOR=paged, SINGLE=paged,
+                              WRITE_LSE=paged)
             sig.update({name: "constexpr" for name in constexprs})
             yield KernelBuild(label=f"attention_decode_split fp{8 * element_size} D={block_d} paged={paged} {cfg}",
                               fn=attention_decode_split_kernel, signature=sig, constexprs=constexprs,
@@ -71,10 +73,11 @@ def _decode_builds():
     for element_size, block_d in product((2, 4), (16, 32, 64, 128, 256)):
         sig = {name: "i32" for name in attention_decode_combine_kernel.arg_names}
         sig.update(O_PART="*fp32", LSE_PART="*fp32", OUT=ptr[element_size], LSE="*fp32")
-        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=DECODE_COMBINE_BLOCK_M, WRITE_LSE=True)
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_S=DECODE_COMBINE_SPLITS, WRITE_LSE=True)
         sig.update({name: "constexpr" for name in constexprs})
         yield KernelBuild(label=f"attention_decode_combine fp{8 * element_size} D={block_d}",
-                          fn=attention_decode_combine_kernel, signature=sig, constexprs=constexprs, num_warps=4,
+                          fn=attention_decode_combine_kernel, signature=sig, constexprs=constexprs,
+                          num_warps=DECODE_COMBINE_WARPS,
                           num_stages=1, aligned=("O_PART", "LSE_PART", "OUT"))
         sig = {name: "i32" for name in kv_cache_append_kernel.arg_names}
         sig.update(NEW=ptr[element_size], CACHE=ptr[element_size], CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32")

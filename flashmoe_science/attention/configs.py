@@ -274,7 +274,9 @@ _FP32_BACKWARD = {16: B(C(16, 32, 4, 2), C(32, 16, 4, 2)),
                   256: B(C(16, 16, 4, 1), C(16, 16, 4, 1))}
 BACKWARD = {
     90: {
-        2: {16: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
+        # D = 16: a four-warp dQ kernel; ptxas crashed (SIGSEGV) compiling the eight-warp one
+        # for a packed batch of one one-token sequence (Hq 2, Hkv 1, fp16).
+        2: {16: B(C(64, 128, 8, 3), C(128, 64, 4, 3)),
             32: B(C(64, 128, 8, 3), C(128, 64, 8, 3)),
             # H100 sweep, S = 4096 (benchmarks/results/attention_backward_sweep.json): D = 64
             # four-warp 64 x 64 tiles (4.87 -> 4.29 ms), D = 256 64 resident keys and 128
@@ -384,13 +386,20 @@ def dkdv_maxnreg(dkdv: AttentionConfig, tma: bool, softcap: bool, varlen: bool) 
 # stages; BLOCK_M, the tile's query rows (Sq times the GQA group), is the smallest power of two
 # from 16 holding them, up to DECODE_MAX_BLOCK_M (fp32 32, and 16 above head dim 128: 3xTF32
 # products hold each operand twice; 32 x 256 needed 102400 bytes of shared memory, over the
-# 99 KB parts' limit), and a padded head dim above 128 halves BLOCK_N. Untuned: the GPU benchmark of
-# `bench attention --mode decode` is still to come.
+# 99 KB parts' limit; 16-bit 64, and 32 above head dim 128: the 64 x 256 tile writing its output
+# directly (one split) spilled 268-300 bytes on sm80-sm89). BLOCK_N keeps each step's K and V tiles near the D = 128 tiles' bytes: a
+# padded head dim above 128 halves it, one of 64 or less doubles it. H100 sweep at D = 128, bf16
+# (benchmarks/results/attention_decode_sweep.json): 64 keys, 4 warps, 2 stages within 3% of the
+# fastest tile from one sequence of 64k keys to 128 sequences of 2k (81 to 96% of the copy
+# bandwidth), and the split count `decode_splits` picks within 2% of the fastest split count
+# wherever the GPU time is not bound by the host.
 DECODE = {2: AttentionConfig(64, 64, 4, 2), 4: AttentionConfig(32, 32, 4, 2)}
 DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
-# Query rows per program of the combine kernel, which streams the splits' partials: small tiles
-# keep its fp32 accumulator in registers (64 rows at head dim 256 spilled 332 bytes on sm90).
-DECODE_COMBINE_BLOCK_M = 16
+# The combine kernel: one program per row, the splits' partials DECODE_COMBINE_SPLITS at a time
+# ([16, 256] fp32 over four warps: 32 registers a thread), so one long sequence's many splits are
+# read by many programs in few loads rather than one after another.
+DECODE_COMBINE_SPLITS = 16
+DECODE_COMBINE_WARPS = 4
 # Split-KV aims at this many programs per SM, each split keeping at least this many key blocks.
 DECODE_WAVES = 2
 DECODE_MIN_SPLIT_BLOCKS = 4
@@ -409,9 +418,9 @@ def takes_decode(element_size: int, seqlen_q: int, group_size: int, seqlen_k: in
 def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int) -> AttentionConfig:
     """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head)."""
     base = DECODE[element_size]
-    limit = 16 if element_size == 4 and block_d > 128 else DECODE_MAX_BLOCK_M[element_size]
+    limit = DECODE_MAX_BLOCK_M[element_size] if block_d <= 128 else 16 if element_size == 4 else 32
     block_m = min(limit, max(16, 1 << max(rows - 1, 0).bit_length()))
-    block_n = base.block_n if block_d <= 128 else base.block_n // 2
+    block_n = base.block_n * 2 if block_d <= 64 else base.block_n if block_d <= 128 else base.block_n // 2
     return AttentionConfig(block_m, block_n, base.num_warps, base.num_stages)
 
 

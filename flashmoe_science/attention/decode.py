@@ -25,7 +25,7 @@ from ..device import check_runnable, info_for
 from ..launch import KernelLauncher, PlanCache
 from ._kernels.decode import attention_decode_combine_kernel, attention_decode_split_kernel, kv_cache_append_kernel
 from .checks import DTYPES, NO_WINDOW, check_band, check_bool, check_options, check_tensor
-from .configs import DECODE_COMBINE_BLOCK_M, decode_config, decode_splits, head_dim_block
+from .configs import DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, decode_config, decode_splits, head_dim_block
 from .layouts import LOG2E, cdiv, kernel_window, positive_scale
 
 _SPLIT = KernelLauncher("attention_decode_split", attention_decode_split_kernel, fp32_dots=True)
@@ -113,13 +113,14 @@ class DecodePlan:
     __slots__ = ("config", "rows", "block_m", "rows_padded", "num_splits", "split_len", "split_grid",
                  "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index")
 
-    def __init__(self, q, k_cache, block_table, causal, window_size, num_splits):
+    def __init__(self, q, k_cache, block_table, causal, window_size, num_splits, config=None):
+        """`config` (an AttentionConfig) replaces the table's, for the tuning sweep."""
         batch, seqlen_q, heads_q, head_dim = q.shape
         heads_kv = k_cache.shape[2]
         group = heads_q // heads_kv
         self.rows = seqlen_q * group
         self.block_d = head_dim_block(head_dim)
-        cfg = self.config = decode_config(info_for(q), q.element_size(), self.block_d, self.rows)
+        cfg = self.config = config or decode_config(info_for(q), q.element_size(), self.block_d, self.rows)
         self.block_m = cfg.block_m
         num_m_blocks = cdiv(self.rows, self.block_m)
         self.rows_padded = num_m_blocks * self.block_m
@@ -129,7 +130,7 @@ class DecodePlan:
         self.split_len = cdiv(cdiv(max(self.capacity, 1), splits), cfg.block_n) * cfg.block_n
         self.num_splits = cdiv(max(self.capacity, 1), self.split_len)
         self.split_grid = (self.num_splits, batch * heads_kv, num_m_blocks)
-        self.combine_grid = (batch * heads_kv, cdiv(self.rows, DECODE_COMBINE_BLOCK_M), 1)
+        self.combine_grid = (batch * heads_kv, self.rows, 1)
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.window = kernel_window(causal, window_size)
         self.page_size = k_cache.shape[1] if block_table is not None else 0
@@ -183,27 +184,31 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
     q, scale = positive_scale(q, scale)
     softcap = float(softcap)
     cfg = plan.config
-    o_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded, plan.block_d), dtype=torch.float32,
-                         device=q.device)
-    lse_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded), dtype=torch.float32,
-                           device=q.device)
+    single = plan.num_splits == 1
+    write_lse = lse is not None
+    # One split: the split kernel writes out and lse itself, and the workspace is a placeholder.
+    o_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded, plan.block_d) if not single else (1,),
+                         dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded) if not single else (1,),
+                           dtype=torch.float32, device=q.device)
     lengths, cache_len, lengths_tensor = _lengths(cache_seqlens, lse_part)
     table = block_table if block_table is not None else lse_part
+    lse_arg, lse_strides = (lse, (lse.stride(0), lse.stride(1))) if write_lse else (lse_part, (0, 0))
     _SPLIT.launch(key, plan.split_grid,
-                  (q, k_cache, v_cache, o_part, lse_part, lengths, table, scale * LOG2E,
+                  (q, k_cache, v_cache, o_part, lse_part, out, lse_arg, lengths, table, scale * LOG2E,
                    scale / softcap if softcap else 0.0, softcap * LOG2E, *q.stride()[:3], *k_cache.stride()[:3],
-                   *v_cache.stride()[:3], block_table.stride(0) if block_table is not None else 0, heads_kv,
+                   *v_cache.stride()[:3], *out.stride()[:3], *lse_strides,
+                   block_table.stride(0) if block_table is not None else 0, heads_kv,
                    heads_q // heads_kv, seqlen_q, seqlen_new, cache_len, plan.capacity, k_cache.shape[0], plan.rows,
                    plan.rows_padded, plan.split_len, plan.num_splits, *plan.window, head_dim, plan.block_d,
-                   plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor),
+                   plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor, single, write_lse),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
-    write_lse = lse is not None
+    if single:
+        return
     _COMBINE.launch(key, plan.combine_grid,
-                    (o_part, lse_part, out, lse if write_lse else lse_part, *out.stride()[:3],
-                     *((lse.stride(0), lse.stride(1)) if write_lse else (0, 0)), heads_kv, heads_q // heads_kv,
-                     plan.rows, plan.rows_padded, plan.num_splits, head_dim, plan.block_d, DECODE_COMBINE_BLOCK_M,
-                     write_lse),
-                    num_warps=4, num_stages=1, device_index=plan.device_index)
+                    (o_part, lse_part, out, lse_arg, *out.stride()[:3], *lse_strides, heads_kv, heads_q // heads_kv,
+                     plan.rows_padded, plan.num_splits, head_dim, plan.block_d, DECODE_COMBINE_SPLITS, write_lse),
+                    num_warps=DECODE_COMBINE_WARPS, num_stages=1, device_index=plan.device_index)
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,

@@ -13,8 +13,8 @@ their own plans of the same class and launch through `launch_forward` too. Which
     (`launch_tma`, `HOPPER_FORWARD`).
 - Dense calls whose Sq x group query rows fit one decode tile, against many keys
   (`configs.takes_decode`; decode with a KV cache, on any GPU): the KV-cache kernels,
-  `decode.attention_decode_split_kernel` then `..._combine_kernel` (`decode.launch_decode`):
-  split-KV, with the query heads of a KV head packed into one tile.
+  `decode.attention_decode_split_kernel` then, with more than one split, `..._combine_kernel`
+  (`decode.launch_decode`): split-KV, with the query heads of a KV head packed into one tile.
 - Every other call (fp32, packed, small, not unit-strided in D, any other GPU, the CPU
   interpreter): `forward.attention_forward_kernel` (`FORWARD`, by device family, dtype and
   padded head dim; `forward_config` picks the short or long tile).

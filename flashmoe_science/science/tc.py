@@ -234,11 +234,12 @@ class TcSetTransformer(nn.Module):
 BACKENDS = ("kernels", "torch", "torch_grouped_mm")
 
 
-def compare_backends(compounds, device, *, batch_size=256, model_options=None, seed=0) -> dict:
+def compare_backends(compounds, device, *, batch_size=256, model_options=None, seed=0, table=None) -> dict:
     """One training epoch on `compounds` per backend, from the same initial weights: seconds and
-    tokens/s each, or the error that kept a backend from running."""
+    tokens/s each, or the error that kept a backend from running. `table`: as for
+    `run_cross_validation`."""
     out = {}
-    table = element_table()
+    table = element_table() if table is None else table
     for backend in BACKENDS:
         try:
             _, _, seconds, tokens_per_s = train_model(compounds, table, device, epochs=2, batch_size=batch_size,
@@ -311,12 +312,42 @@ def magpie_features(compounds):
     return torch.nan_to_num(torch.tensor(rows, dtype=torch.float64)).numpy()
 
 
+FEATURES_FORMAT = "flashmoe-science tc features 1"
+
+
+def featurize(compounds, path, *, baseline=True) -> Path:
+    """Writes what training needs from pymatgen and matminer to one file (torch.save): the
+    compounds, the element table and, with `baseline`, the Magpie features of each compound.
+    `tc train --data` reads it on a machine without the science extra (a GPU machine, say)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": FEATURES_FORMAT, "compounds": [vars(c) for c in compounds], "element_table": element_table(),
+                "properties": list(MAGPIE_PROPERTIES),
+                "magpie": torch.from_numpy(magpie_features(compounds)) if baseline else None}, path)
+    return path
+
+
+def load_features(path) -> tuple:
+    """(compounds, element table, Magpie features or None) of a file `featurize` wrote."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or saved.get("format") != FEATURES_FORMAT:
+        raise ValueError(f"{path} is not a features file of `flashmoe-science tc featurize`")
+    if saved["properties"] != list(MAGPIE_PROPERTIES):
+        raise ValueError(f"{path} holds other elemental properties than this version reads; featurize again")
+    magpie = saved["magpie"]
+    return ([Compound(**c) for c in saved["compounds"]], saved["element_table"],
+            None if magpie is None else magpie.numpy())
+
+
 def run_cross_validation(compounds, *, folds, split, epochs, device, backend="kernels", baseline=True, seed=0,
-                         batch_size=256, model_options=None, progress=None):
-    """Per fold: the model's and the baseline's metrics on the held-out compounds; their means."""
+                         batch_size=256, model_options=None, progress=None, table=None, features=None):
+    """Per fold: the model's and the baseline's metrics on the held-out compounds; their means.
+    `table` and `features` (the Magpie features of `compounds`), when given (`load_features`),
+    are used instead of computing them with matminer."""
     fold_of = assign_folds(compounds, folds, split, seed)
-    table = element_table()
-    features = magpie_features(compounds) if baseline else None
+    table = element_table() if table is None else table
+    if baseline and features is None:
+        features = magpie_features(compounds)
     results, predictions = [], []
     for fold in range(folds):
         train = [c for c, f in zip(compounds, fold_of) if f != fold]
@@ -381,12 +412,11 @@ def write_outputs(out_dir, folds_rows, mean, models, predictions, meta) -> Path:
 
 
 def load_ensemble(path, device):
-    """The fold models saved by `write_outputs`."""
+    """The fold models saved by `write_outputs` (each holds its element table)."""
     saved = torch.load(path, map_location=device, weights_only=True)
-    table = element_table()
     models = []
     for state in saved["states"]:
-        model = TcSetTransformer(table, **saved["options"]).to(device)
+        model = TcSetTransformer(state["table"], **saved["options"]).to(device)
         model.load_state_dict(state)
         models.append(model)
     return models

@@ -331,7 +331,10 @@ def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, 
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
-@triton.jit
+# Sequence lengths never specialised: Triton would make a value of 1 a constant, and with every
+# size argument 1 (B = H = Sq = Sk = 1) ptxas crashed (SIGSEGV) on the sm90 fp16 D = 16 softcap
+# build (8 warps, 3 stages).
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def attention_backward_dq_kernel(
     Q, K, V, DO, O, LSE, DELTA, LSE_LOG2, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER,
     softmax_scale, scale_log2, softcap_scale, softcap_log2,

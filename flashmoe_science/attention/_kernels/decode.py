@@ -8,7 +8,8 @@ contiguous or a paged cache.
   `forward.softmax_step`'s base-2 online softmax (each row masked by its own query position's
   band, and by the sequence's length), and writes its normalised partial output and lse.
 - `attention_decode_combine_kernel`: per row, the splits' partials weighted by exp(lse_s - lse),
-  written in the output's dtype and layout, with the total lse.
+  written in the output's dtype and layout, with the total lse. With one split there is nothing
+  to combine: the split kernel writes the output itself (SINGLE).
 - `kv_cache_append_kernel`: writes new keys and values into the cache at each sequence's
   position `cache_seqlens[b] + t`, before the attention reads them.
 
@@ -39,21 +40,24 @@ def _cached_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTH
 # cache_len (an int cache_seqlens) changes from call to call under one launch key: never specialised.
 @triton.jit(do_not_specialize=["cache_len"])
 def attention_decode_split_kernel(
-    Q, K, V, O_PART, LSE_PART, CACHE_SEQLENS, BLOCK_TABLE,
+    Q, K, V, O_PART, LSE_PART, OUT, LSE, CACHE_SEQLENS, BLOCK_TABLE,
     scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
     stride_tb,
     num_heads_kv, group_size, seqlen_q, seqlen_new, cache_len, max_seqlen_k, num_pages, rows, rows_padded,
     split_len, num_splits, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, LENGTHS_TENSOR: tl.constexpr,
-    DOT_PRECISION: tl.constexpr = TF32,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, LENGTHS_TENSOR: tl.constexpr, SINGLE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr = TF32,
 ):
     """K, V strides: (batch, token, head) of a contiguous cache, (page, slot, head) of a paged one.
     O_PART (num_splits, B, Hkv, rows_padded, BLOCK_D) and LSE_PART (num_splits, B, Hkv,
-    rows_padded), fp32, contiguous."""
+    rows_padded), fp32, contiguous. SINGLE (one split: no combine kernel): the output goes straight
+    to OUT (B, Sq, Hq, D), in its dtype and strides, and lse to LSE (B, Hq, Sq) when WRITE_LSE."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -116,9 +120,15 @@ def attention_decode_split_kernel(
     malformed = bad | (tl.max(bad_page, 0) > 0)
     out = tl.where(malformed, float("nan"), out)
     lse = tl.where(malformed, float("nan"), lse)
-    part = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * rows_padded + offs_r
-    tl.store(O_PART + part[:, None] * BLOCK_D + offs_d[None, :], out)
-    tl.store(LSE_PART + part, lse)
+    if SINGLE:
+        tl.store(OUT + b64 * stride_ob + qi.to(tl.int64)[:, None] * stride_om + h.to(tl.int64)[:, None] * stride_oh
+                 + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if WRITE_LSE:
+            tl.store(LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
+    else:
+        part = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * rows_padded + offs_r
+        tl.store(O_PART + part[:, None] * BLOCK_D + offs_d[None, :], out)
+        tl.store(LSE_PART + part, lse)
 
 
 @triton.jit
@@ -126,42 +136,45 @@ def attention_decode_combine_kernel(
     O_PART, LSE_PART, OUT, LSE,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
-    num_heads_kv, group_size, rows, rows_padded, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_LSE: tl.constexpr,
+    num_heads_kv, group_size, rows_padded, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """OUT (B, Sq, Hq, D) in its own dtype and strides; LSE (B, Hq, Sq) fp32 when WRITE_LSE. Rows
-    no split saw get 0 and lse -inf; a NaN partial (malformed input) reaches its rows."""
+    """One program per row (batch entry and KV head, row): its splits' partials, BLOCK_S splits a
+    load, weighted by exp(lse_s - max lse). OUT (B, Sq, Hq, D) in its own dtype and strides; LSE
+    (B, Hq, Sq) fp32 when WRITE_LSE. A row no split saw gets 0 and lse -inf; a NaN partial
+    (malformed input) makes its row NaN."""
     pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    r = tl.program_id(1)
     b = pid_bh // num_heads_kv
     h_kv = pid_bh % num_heads_kv
-    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_r < rows
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(0, num_splits):
-        part = (s * tl.num_programs(0) + pid_bh).to(tl.int64) * rows_padded + offs_r
-        m = tl.maximum(m, tl.load(LSE_PART + part))
-    m_sub = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
-        part = (s * tl.num_programs(0) + pid_bh).to(tl.int64) * rows_padded + offs_r
-        w = tl.exp(tl.load(LSE_PART + part) - m_sub)
+    row = pid_bh.to(tl.int64) * rows_padded + r
+    split_stride = tl.num_programs(0).to(tl.int64) * rows_padded  # rows between one split's partials and the next's
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_s
+        m = tl.maximum(m, tl.load(LSE_PART + s * split_stride + row, mask=s < num_splits, other=float("-inf")))
+    m_max = tl.max(m, 0)
+    m_sub = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_s
+        ok = s < num_splits
+        part = s * split_stride + row
+        w = tl.exp(tl.load(LSE_PART + part, mask=ok, other=float("-inf")) - m_sub)
         total += w
-        acc += w[:, None] * tl.load(O_PART + part[:, None] * BLOCK_D + offs_d[None, :])
-    nan_rows = m != m
-    out = tl.where((total == 0.0)[:, None], 0.0, acc / tl.where(total == 0.0, 1.0, total)[:, None])
-    out = tl.where(nan_rows[:, None], float("nan"), out)
-    qi = offs_r // group_size
-    h = h_kv * group_size + offs_r % group_size
-    ptrs = (OUT + b.to(tl.int64) * stride_ob + qi.to(tl.int64)[:, None] * stride_om
-            + h.to(tl.int64)[:, None] * stride_oh + offs_d[None, :])
-    tl.store(ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+        acc += w[:, None] * tl.load(O_PART + part[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    total_sum = tl.sum(total, 0)
+    out = tl.where(total_sum == 0.0, 0.0, tl.sum(acc, 0) / tl.where(total_sum == 0.0, 1.0, total_sum))
+    qi = r // group_size
+    h = (h_kv * group_size + r % group_size).to(tl.int64)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + qi.to(tl.int64) * stride_om + h * stride_oh + offs_d,
+             out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
     if WRITE_LSE:
-        lse = tl.where(total == 0.0, float("-inf"), m + tl.log(tl.where(total == 0.0, 1.0, total)))
-        lse = tl.where(nan_rows, float("nan"), lse)
-        tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
+        lse = tl.where(total_sum == 0.0, float("-inf"), m_sub + tl.log(tl.where(total_sum == 0.0, 1.0, total_sum)))
+        tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + qi, lse)
 
 
 @triton.jit(do_not_specialize=["cache_len"])

@@ -1,0 +1,135 @@
+"""Time candidate KV-cache (decode) configurations on a GPU, to tune `configs.DECODE` and the
+split heuristic (`configs.decode_splits`).
+
+    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--out DIR]
+
+For each case (batch, cached length, heads, head dim, page size; bf16, one new token) it times,
+in two phases:
+1. the table's tile, then every other (`decode_candidates`: keys per block, warps, stages), with
+   the table's split count,
+   forced through `DecodePlan(config=...)`;
+2. the fastest tile of phase 1 with each split count from 1 up to what the cache allows.
+Each row holds the GPU time (CUDA events, cold L2) and the fraction of the copy bandwidth
+measured in the same run (the bytes of K and V read over the time), and the candidate's error
+against the table configuration's output. Rows go to DIR/attention_decode_sweep.json; the best
+tile and split count per case are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from itertools import product
+
+import torch
+
+from ...attention.configs import AttentionConfig, decode_config, head_dim_block
+from ...attention.decode import DecodePlan, launch_decode
+from ...device import SHARED_MEMORY_PER_BLOCK, info_for
+from ..attention_decode import paged_copy
+from ..common import environment, measure_copy_bandwidth, progress, rel_error, write_results
+from ..timing import time_gpu
+
+# (batch, cached length, Hq, Hkv, head dim, page size): serving's regimes, one long sequence to
+# many short ones, GQA and MHA, contiguous and paged (each head dim and page size compiles every
+# tile anew, so the cases keep to two).
+CASES = ((1, 4096, 32, 8, 128, 0), (1, 65536, 32, 8, 128, 0), (8, 8192, 32, 8, 128, 0), (32, 4096, 32, 8, 128, 0),
+         (64, 4096, 32, 8, 128, 0), (128, 2048, 32, 8, 128, 0), (8, 8192, 32, 32, 128, 0), (8, 8192, 32, 8, 128, 16),
+         (64, 4096, 32, 8, 128, 16))
+QUICK_CASES = CASES[:1]
+MAX_REL_DIFF = 1e-2  # a candidate whose output differs more from the table's is wrong, not fast
+
+
+def decode_candidates(family: int, element_size: int, block_d: int, block_m: int):
+    """Tiles worth timing: keys per block 32 to 256, 2 to 8 warps, 2 to 4 stages, kept where one
+    K and one V tile per stage (and the query tile) fit the family's shared memory."""
+    budget = SHARED_MEMORY_PER_BLOCK[family] - 8 * 1024
+    for block_n, warps, stages in product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4)):
+        if element_size * block_d * (2 * block_n * stages + block_m) <= budget:
+            yield AttentionConfig(block_m, block_n, warps, stages)
+
+
+def sweep(cases=CASES, dtype=torch.bfloat16, device="cuda", checkpoint=lambda rows: None) -> list[dict]:
+    """The rows of every case; `checkpoint(rows)` after each case (a run stopped early keeps them)."""
+    rows = []
+    copy_tbps = measure_copy_bandwidth()
+    for batch, seqlen, heads_q, heads_kv, dim, page_size in progress(cases, desc="decode sweep"):
+        q = torch.randn(batch, 1, heads_q, dim, dtype=dtype, device=device)
+        k_cache, v_cache = (torch.randn(batch, seqlen, heads_kv, dim, dtype=dtype, device=device) for _ in range(2))
+        table = None
+        if page_size:
+            k_cache, v_cache, table = paged_copy(k_cache, v_cache, page_size)
+        lengths = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
+        floor_ms = 2 * k_cache.numel() * k_cache.element_size() / (copy_tbps * 1e12) * 1e3
+        case = dict(batch=batch, seqlen=seqlen, heads_q=heads_q, heads_kv=heads_kv, head_dim=dim,
+                    page_size=page_size, floor_us=floor_ms * 1e3)
+        block_d = head_dim_block(dim)
+        table_cfg = decode_config(info_for(q), q.element_size(), block_d, heads_q // heads_kv)
+
+        def run(cfg, splits):
+            plan = DecodePlan(q, k_cache, table, True, (-1, -1), splits, config=cfg)
+            out = torch.empty_like(q)
+            launch_decode(plan, None, q, k_cache, v_cache, out, None, lengths, table, 0, None, 0.0)
+            return plan, out
+
+        table_plan, reference = run(table_cfg, 0)
+
+        def timed(phase, cfg, splits):
+            row = dict(case, phase=phase, block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages,
+                       table_config=cfg == table_cfg)
+            try:
+                plan, out = run(cfg, splits)
+                t = time_gpu(lambda: run(cfg, splits), warmup_ms=5, rep_ms=20, repeats=1)
+            except Exception as exc:  # a candidate that does not fit this GPU
+                row.update(splits=splits, error=f"{type(exc).__name__}: {exc}"[:200])
+            else:
+                row.update(splits=plan.num_splits, table_splits=table_plan.num_splits, us=t.median_ms * 1e3,
+                           copy_fraction=floor_ms / t.median_ms, rel_diff_vs_table=rel_error(out, reference))
+            rows.append(row)
+            return row
+
+        candidates = [c for c in decode_candidates(info_for(q).arch_family, q.element_size(), block_d,
+                                                   table_cfg.block_m) if c != table_cfg]
+        tiles = [timed("tile", cfg, 0) for cfg in (table_cfg, *candidates)]
+        good = [r for r in tiles if "us" in r and r["rel_diff_vs_table"] < MAX_REL_DIFF]
+        best = min(good, key=lambda r: r["us"])
+        best_cfg = AttentionConfig(table_cfg.block_m, best["block_n"], best["warps"], best["stages"])
+        most = -(-seqlen // best_cfg.block_n)
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+            if splits <= most:
+                timed("splits", best_cfg, splits)
+        checkpoint(rows)
+    return rows
+
+
+def best_per_case(rows) -> list[str]:
+    lines = []
+    keys = ("batch", "seqlen", "heads_q", "heads_kv", "head_dim", "page_size")
+    for case in dict.fromkeys(tuple(r[k] for k in keys) for r in rows):
+        group = [r for r in rows if tuple(r[k] for k in keys) == case and "us" in r and
+                 r["rel_diff_vs_table"] < MAX_REL_DIFF]
+        table = next(r for r in group if r["table_config"] and r["phase"] == "tile")
+        best = min(group, key=lambda r: r["us"])
+        lines.append(f"B={case[0]} Sk={case[1]} Hq={case[2]} Hkv={case[3]} D={case[4]} page={case[5]}: table "
+                     f"{table['us']:.1f} us ({table['copy_fraction']:.0%} of copy, {table['splits']} splits), best "
+                     f"{best['us']:.1f} us ({best['copy_fraction']:.0%}) with BLOCK_N={best['block_n']} "
+                     f"warps={best['warps']} stages={best['stages']} splits={best['splits']}")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one case")
+    parser.add_argument("--out", default="out/results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the decode sweep times GPU kernels; no GPU here", file=sys.stderr)
+        return 2
+    meta = {"environment": environment()}
+    rows = sweep(QUICK_CASES if args.quick else CASES,
+                 checkpoint=lambda rows: write_results(args.out, "attention_decode_sweep", rows, meta))
+    print("\n".join(best_per_case(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Expert parallelism (`flashmoe_science.parallel.shard_experts`) on the CPU: 2 and 4 processes
+over gloo, each with its own tokens, fp32, against the full layer that every rank also holds:
+outputs and input gradients equal, each rank's expert-weight gradients the slice of the full
+layer's summed over ranks, router gradients summed over ranks equal; routings that send every
+token to one rank's experts, a rank with no tokens, and an expert count the group cannot split."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TOL = 1e-5
+
+
+def _close(a, b, what):
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    scale = max(b.abs().max().item() if b.numel() else 0.0, 1.0)
+    assert err <= TOL * scale, f"{what}: max error {err:.3g} for values up to {scale:.3g}"
+
+
+def _summed(t):
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _check_against_full_layer(full, sharded, x, rank, world):
+    """One forward and backward of both on this rank's tokens x."""
+    from flashmoe_science.parallel import ExpertParallelMoE
+
+    assert isinstance(sharded, ExpertParallelMoE)
+    for p in (*full.parameters(), *sharded.parameters()):
+        p.grad = None
+    x_full, x_sharded = (x.clone().requires_grad_() for _ in range(2))
+    grad_out = torch.randn_like(x)
+    out_full, out_sharded = full(x_full), sharded(x_sharded)
+    _close(out_sharded, out_full, f"rank {rank} output")
+    assert torch.equal(sharded.tokens_per_expert, full.tokens_per_expert)
+    out_full.backward(grad_out)
+    out_sharded.backward(grad_out)
+    _close(x_sharded.grad, x_full.grad, f"rank {rank} input gradient")
+    local = slice(rank * sharded.local_experts, (rank + 1) * sharded.local_experts)
+    for name in ("w1", "w2"):
+        _close(getattr(sharded, name).grad, _summed(getattr(full, name).grad)[local], f"rank {rank} {name} gradient")
+    _close(_summed(sharded.router.weight.grad), _summed(full.router.weight.grad), "router gradient")
+    _close(_summed(sharded.shared_w1.grad), _summed(full.shared_w1.grad), "shared expert gradient")
+
+
+def _worker(rank, world, store_path):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        from flashmoe_science import FlashMoELayer
+        from flashmoe_science.parallel import shard_experts
+
+        torch.manual_seed(0)  # the same full layer on every rank
+        full = FlashMoELayer(32, 2 * world, 16, top_k=2, num_shared_experts=1, router_aux_loss_coef=0.01)
+        sharded = shard_experts(full)
+        torch.manual_seed(1 + rank)  # each rank its own tokens; the last of four has none
+        tokens = 0 if world == 4 and rank == 3 else 5 + 3 * rank
+        _check_against_full_layer(full, sharded, torch.randn(tokens, 32), rank, world)
+
+        with torch.no_grad():  # every token's top 2 among experts 0 and 1: all to rank 0
+            for layer in (full, sharded):
+                layer.router.weight.zero_()
+                layer.router.weight[:2, 0] = torch.tensor([5.0, 4.0])
+        x = torch.randn(6, 32)
+        x[:, 0] = 1 + x[:, 0].abs()
+        _check_against_full_layer(full, sharded, x, rank, world)
+        assert sharded.tokens_per_expert[2:].sum() == 0
+
+        with pytest.raises(ValueError, match="divisible"):
+            shard_experts(FlashMoELayer(32, 2 * world + 1, 16, top_k=2))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_layer_matches_the_full_layer(world, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+def test_shard_experts_needs_a_process_group_and_a_layer():
+    from flashmoe_science import FlashMoELayer
+    from flashmoe_science.parallel import shard_experts
+
+    with pytest.raises(TypeError, match="FlashMoELayer"):
+        shard_experts(torch.nn.Linear(4, 4))
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            shard_experts(FlashMoELayer(32, 4, 16, top_k=2))
