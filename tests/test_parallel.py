@@ -2,7 +2,8 @@
 over gloo, each with its own tokens, fp32, against the full layer that every rank also holds:
 outputs and input gradients equal, each rank's expert-weight gradients the slice of the full
 layer's summed over ranks, router gradients summed over ranks equal; routings that send every
-token to one rank's experts, a rank with no tokens, and an expert count the group cannot split."""
+token to one rank's experts, a rank with no tokens, and an expert count the group cannot split;
+the fixed-capacity mode, with room for every assignment and with assignments dropped."""
 import os
 
 import pytest
@@ -25,8 +26,33 @@ def _summed(t):
     return t
 
 
-def _check_against_full_layer(full, sharded, x, rank, world):
-    """One forward and backward of both on this rank's tokens x."""
+def _with_drops(full, capacity, world):
+    """The full layer's forward with the assignments a rank's fixed capacity leaves out (past
+    `capacity` per owning rank, in token order) dropped, and how many."""
+    from flashmoe_science.moe import fused_experts, moe_route
+    from flashmoe_science.moe.reference import gated_activation_torch
+
+    local = full.num_experts // world
+
+    def forward(x):
+        weights, ids = moe_route(full.router(x), full.top_k, renormalize=full.renormalize)
+        owner = (ids // local).reshape(-1)
+        position = torch.zeros_like(owner, dtype=torch.long)
+        for rank in range(world):
+            mine = (owner == rank).nonzero().squeeze(1)
+            position[mine] = torch.arange(mine.numel())
+        dropped = position >= capacity
+        forward.dropped = int(dropped.sum())
+        ids = torch.where(dropped, -1, ids.reshape(-1)).view_as(ids)
+        out = fused_experts(x, full.w1, full.w2, weights, ids, activation=full.activation)
+        gate, up = torch.nn.functional.linear(x, full.shared_w1).chunk(2, dim=-1)
+        return out + torch.nn.functional.linear(gated_activation_torch(gate, up, full.activation), full.shared_w2)
+    return forward
+
+
+def _check_against_full_layer(full, sharded, x, rank, world, reference=None):
+    """One forward and backward of both on this rank's tokens x; `reference` replaces the full
+    layer's forward (its parameters')."""
     from flashmoe_science.parallel import ExpertParallelMoE
 
     assert isinstance(sharded, ExpertParallelMoE)
@@ -34,9 +60,13 @@ def _check_against_full_layer(full, sharded, x, rank, world):
         p.grad = None
     x_full, x_sharded = (x.clone().requires_grad_() for _ in range(2))
     grad_out = torch.randn_like(x)
-    out_full, out_sharded = full(x_full), sharded(x_sharded)
+    out_full, out_sharded = (reference or full)(x_full), sharded(x_sharded)
     _close(out_sharded, out_full, f"rank {rank} output")
-    assert torch.equal(sharded.tokens_per_expert, full.tokens_per_expert)
+    if reference is None:
+        assert torch.equal(sharded.tokens_per_expert, full.tokens_per_expert)
+        assert sharded.dropped_assignments == 0
+    else:
+        assert sharded.dropped_assignments == reference.dropped
     out_full.backward(grad_out)
     out_sharded.backward(grad_out)
     _close(x_sharded.grad, x_full.grad, f"rank {rank} input gradient")
@@ -72,6 +102,25 @@ def _worker(rank, world, store_path):
 
         with pytest.raises(ValueError, match="divisible"):
             shard_experts(FlashMoELayer(32, 2 * world + 1, 16, top_k=2))
+
+        # Fixed capacity (the same on every rank): room for every assignment, then for 3 per rank pair (the 12 assignments
+        # of the last six tokens, all to rank 0, lose 9).
+        torch.manual_seed(0)
+        full = FlashMoELayer(32, 2 * world, 16, top_k=2, num_shared_experts=1)
+        torch.manual_seed(1 + rank)
+        x = torch.randn(tokens, 32)
+        _check_against_full_layer(full, shard_experts(full, capacity=32), x, rank, world)
+        _check_against_full_layer(full, shard_experts(full, capacity=3), x, rank, world, _with_drops(full, 3, world))
+        with torch.no_grad():
+            full.router.weight.zero_()
+            full.router.weight[:2, 0] = torch.tensor([5.0, 4.0])
+        x = torch.randn(6, 32)
+        x[:, 0] = 1 + x[:, 0].abs()
+        reference = _with_drops(full, 3, world)
+        _check_against_full_layer(full, shard_experts(full, capacity=3), x, rank, world, reference)
+        assert reference.dropped == 9
+        with pytest.raises(ValueError, match="capacity"):
+            shard_experts(full, capacity=0)
     finally:
         dist.destroy_process_group()
 
