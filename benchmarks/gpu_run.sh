@@ -72,9 +72,11 @@ for stage in "${stages[@]}"; do
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;
-    tc)  # superconductor Tc, 5-fold, both splits; TC_DATA: the SuperCon CSV carried along (shared/ does not travel)
+    tc)  # superconductor Tc, 5-fold, both splits; TC_DATA: SuperCon featurized here (flashmoe-science tc featurize
+         # --data ../shared/data/supercon/Supercon_data.csv --out out/data/supercon.pt: the GPU image has no
+         # pymatgen or matminer), carried along
       for split in random cluster; do
-        python3 -m flashmoe_science tc train --data "${TC_DATA:-out/data/Supercon_data.csv}" --split "$split" \
+        python3 -m flashmoe_science tc train --data "${TC_DATA:-out/data/supercon.pt}" --split "$split" \
           --out "$RESULTS/tc_$split" ${TC_ARGS:-} 2>&1 | tee -a "$RESULTS/tc.log"
       done ;;
     model)  # transformers models end to end; needs transformers >= 5.17 (carry its wheels: no network there)

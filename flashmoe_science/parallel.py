@@ -10,7 +10,8 @@ the shared experts are replicated. A forward on each rank's own tokens:
 3. runs the received rows through this rank's experts with the fused grouped GEMMs
    (`fused_experts`, one expert per row, weight 1);
 4. sends the expert outputs back the same way, and sums each token's k outputs weighted by its
-   routing weights in fp32, then adds the shared experts.
+   routing weights in fp32, then adds the shared experts, computed while the tokens were in
+   flight to their experts.
 
 With a fixed `capacity` the exchanges have sizes fixed by the shapes instead: no count exchange,
 no host synchronisation, assignments past the capacity dropped and counted.
@@ -99,15 +100,21 @@ class ExpertParallelMoE(nn.Module):
         logits = self.router(tokens)
         weights, ids = moe_route(logits, self.top_k, renormalize=self.renormalize)
         exchange = self._dropless if self.capacity is None else self._fixed_capacity
-        expert_out = exchange(tokens, ids.reshape(-1))  # (T k, H), one row per assignment
+        # The shared experts run while the tokens travel to their experts' ranks.
+        expert_out, shared = exchange(tokens, ids.reshape(-1), lambda: self._shared(tokens))
         k = self.top_k
         out = (weights.unsqueeze(-1) * expert_out.view(-1, k, self.hidden_size).float()).sum(1).to(x.dtype)
-        if self.shared_w1 is not None:
-            gate, up = F.linear(tokens, self.shared_w1).chunk(2, dim=-1)
-            out = out + F.linear(gated_activation_torch(gate, up, self.activation), self.shared_w2)
+        if shared is not None:
+            out = out + shared
         self.tokens_per_expert, self.aux_loss, self.z_loss = router_statistics(
             logits, ids, self.num_experts, self.router_aux_loss_coef, self.router_z_loss_coef)
         return out.reshape(x.shape)
+
+    def _shared(self, tokens):
+        if self.shared_w1 is None:
+            return None
+        gate, up = F.linear(tokens, self.shared_w1).chunk(2, dim=-1)
+        return F.linear(gated_activation_torch(gate, up, self.activation), self.shared_w2)
 
     def _compute(self, rows, local_ids):
         """This rank's experts on the rows it received (one expert each, weight 1; an id of -1
@@ -115,9 +122,11 @@ class ExpertParallelMoE(nn.Module):
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         return fused_experts(rows, self.w1, self.w2, ones, local_ids.unsqueeze(1), activation=self.activation)
 
-    def _dropless(self, tokens, ids):
-        """Each assignment's expert output, unweighted: rows in assignment order (token t's j-th
-        expert at row t k + j), computed by the rank that owns the expert."""
+    def _dropless(self, tokens, ids, meanwhile):
+        """(each assignment's expert output, unweighted: rows in assignment order (token t's j-th
+        expert at row t k + j), computed by the rank that owns the expert; what `meanwhile()`
+        returns, called while the rows are in flight: the collectives are asynchronous until
+        their results are read)."""
         group = self.group or dist.group.WORLD
         owner = torch.div(ids, self.local_experts, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
@@ -129,11 +138,12 @@ class ExpertParallelMoE(nn.Module):
         local_ids = (ids[order] - owner[order] * self.local_experts).to(torch.int32)
         received_ids = funcol.all_to_all_single(local_ids, recv, send, group)
         received = funcol.all_to_all_single_autograd(rows, recv, send, group)
+        result = meanwhile()
         computed = self._compute(received, received_ids)
         returned = funcol.all_to_all_single_autograd(computed, send, recv, group)
-        return returned[torch.argsort(order)]
+        return returned[torch.argsort(order)], result
 
-    def _fixed_capacity(self, tokens, ids):
+    def _fixed_capacity(self, tokens, ids, meanwhile):
         """As `_dropless`, through buffers of `capacity` rows per rank pair: each rank's
         assignments to a rank, in token order, fill its slots; those past the capacity get
         zeros. Every size is fixed by the shapes: no count exchange, no host synchronisation."""
@@ -155,9 +165,10 @@ class ExpertParallelMoE(nn.Module):
         local_ids = local_ids.index_copy(0, slot, (ids[order] - owner_sorted * self.local_experts).to(torch.int32))
         received_ids = funcol.all_to_all_single(local_ids[:-1], None, None, group)
         received = funcol.all_to_all_single_autograd(send, None, None, group)
+        result = meanwhile()
         returned = funcol.all_to_all_single_autograd(self._compute(received, received_ids), None, None, group)
         back = torch.cat([returned, returned.new_zeros(1, self.hidden_size)])[slot]
-        return back[torch.argsort(order)]
+        return back[torch.argsort(order)], result
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts} ({self.local_experts} on rank "

@@ -131,9 +131,9 @@ def run(args) -> dict:
         state = None
         for impl in args.impls:
             attn, experts = IMPLEMENTATIONS[impl]
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
-                                                                  experts_implementation=experts, dtype=dtype)
-            model.to(device)
+            with device:  # initialised where it runs: billions of parameters drawn on the CPU took minutes
+                model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                                                      experts_implementation=experts, dtype=dtype)
             if state is None:
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             else:
@@ -145,10 +145,10 @@ def run(args) -> dict:
             except (RuntimeError, NotImplementedError) as exc:  # out of memory, or a path a backend lacks
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
+            args.checkpoint(rows)
             del model
             if gpu:
                 torch.cuda.empty_cache()
-        args.checkpoint(rows)
     meta = {"mode": "model", "dtype": str(dtype).replace("torch.", ""), "transformers": transformers.__version__,
             "interpreter": interpreter_active()}
     if not gpu:
