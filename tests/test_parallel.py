@@ -3,7 +3,8 @@ over gloo, each with its own tokens, fp32, against the full layer that every ran
 outputs and input gradients equal, each rank's expert-weight gradients the slice of the full
 layer's summed over ranks, router gradients summed over ranks equal; routings that send every
 token to one rank's experts, a rank with no tokens, and an expert count the group cannot split;
-the fixed-capacity mode, with room for every assignment and with assignments dropped."""
+the fixed-capacity mode, with room for every assignment and with assignments dropped, and
+traced whole by torch.compile (fullgraph)."""
 import os
 
 import pytest
@@ -121,6 +122,14 @@ def _worker(rank, world, store_path):
         assert reference.dropped == 9
         with pytest.raises(ValueError, match="capacity"):
             shard_experts(full, capacity=0)
+
+        if world == 2:  # the fixed-capacity forward and backward trace as one graph: no host synchronisation
+            torch.manual_seed(0)
+            full = FlashMoELayer(32, 2 * world, 16, top_k=2, num_shared_experts=1)
+            compiled = torch.compile(shard_experts(full, capacity=16), fullgraph=True, backend="aot_eager")
+            x = torch.randn(6, 32, requires_grad=True)
+            compiled(x).sum().backward()
+            _close(compiled(x), full(x), f"rank {rank} compiled output")
     finally:
         dist.destroy_process_group()
 
