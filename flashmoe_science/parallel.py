@@ -152,8 +152,8 @@ class ExpertParallelMoE(nn.Module):
         owner = torch.div(ids, self.local_experts, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         owner_sorted = owner[order]
-        starts = torch.cumsum(torch.bincount(owner, minlength=world), 0) - torch.bincount(owner, minlength=world)
-        position = torch.arange(ids.numel(), device=ids.device) - starts[owner_sorted]
+        counts = torch.bincount(owner, minlength=world)
+        position = torch.arange(ids.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[owner_sorted]
         kept = position < capacity
         self.dropped_assignments = (~kept).sum()
         # Each sorted assignment's slot in the (world x capacity) buffer; dropped ones write to a
