@@ -4,7 +4,7 @@ outputs and input gradients equal, each rank's expert-weight gradients the slice
 layer's summed over ranks, router gradients summed over ranks equal; routings that send every
 token to one rank's experts, a rank with no tokens, and an expert count the group cannot split;
 the fixed-capacity mode, with room for every assignment and with assignments dropped, and
-traced whole by torch.compile (fullgraph)."""
+traced whole by torch.compile (fullgraph); beside FSDP2 on the other layers."""
 import os
 
 import pytest
@@ -78,6 +78,34 @@ def _check_against_full_layer(full, sharded, x, rank, world, reference=None):
     _close(_summed(sharded.shared_w1.grad), _summed(full.shared_w1.grad), "shared expert gradient")
 
 
+def _check_with_fsdp2(rank, world):
+    """The sharded layer between two Linear layers that FSDP2 (fully_shard) shards: the output
+    of the unsharded model, and FSDP's gradients (averaged over ranks) those of the unsharded
+    model averaged over ranks."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from flashmoe_science import FlashMoELayer
+    from flashmoe_science.parallel import shard_experts
+
+    torch.manual_seed(0)
+    first, moe, last = torch.nn.Linear(32, 32), FlashMoELayer(32, 2 * world, 16, top_k=2), torch.nn.Linear(32, 32)
+    reference = torch.nn.Sequential(copy.deepcopy(first), moe, copy.deepcopy(last))
+    model = torch.nn.Sequential(first, shard_experts(moe), last)
+    mesh = init_device_mesh("cpu", (world,))
+    for linear in (model[0], model[2]):
+        fully_shard(linear, mesh=mesh)
+    x = torch.randn(6, 32)
+    out, out_ref = model(x), reference(x)
+    _close(out, out_ref, f"rank {rank} output under FSDP2")
+    out.square().sum().backward()
+    out_ref.square().sum().backward()
+    for ours, theirs in ((model[0], reference[0]), (model[2], reference[2])):
+        _close(ours.weight.grad.full_tensor(), _summed(theirs.weight.grad) / world, "FSDP2 gradient")
+
+
 def _worker(rank, world, store_path):
     os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -130,6 +158,7 @@ def _worker(rank, world, store_path):
             x = torch.randn(6, 32, requires_grad=True)
             compiled(x).sum().backward()
             _close(compiled(x), full(x), f"rank {rank} compiled output")
+            _check_with_fsdp2(rank, world)
     finally:
         dist.destroy_process_group()
 
