@@ -122,20 +122,26 @@ class ExpertParallelMoE(nn.Module):
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         return fused_experts(rows, self.w1, self.w2, ones, local_ids.unsqueeze(1), activation=self.activation)
 
+    def _sorted_by_owner(self, tokens, ids):
+        """The assignments sorted (stably) by the rank owning their expert: (the order, each
+        sorted assignment's owner, its token's row, its expert's id on the owner)."""
+        owner = torch.div(ids, self.local_experts, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)
+        owner_sorted = owner[order]
+        rows = tokens[torch.div(order, self.top_k, rounding_mode="floor")]
+        return order, owner_sorted, rows, (ids[order] - owner_sorted * self.local_experts).to(torch.int32)
+
     def _dropless(self, tokens, ids, meanwhile):
         """(each assignment's expert output, unweighted: rows in assignment order (token t's j-th
         expert at row t k + j), computed by the rank that owns the expert; what `meanwhile()`
         returns, called while the rows are in flight: the collectives are asynchronous until
         their results are read)."""
         group = self.group or dist.group.WORLD
-        owner = torch.div(ids, self.local_experts, rounding_mode="floor")
-        order = torch.argsort(owner, stable=True)
+        order, owner_sorted, rows, local_ids = self._sorted_by_owner(tokens, ids)
         self.dropped_assignments = torch.zeros((), dtype=torch.int64, device=tokens.device)
-        send_counts = torch.bincount(owner, minlength=self.world_size)
+        send_counts = torch.bincount(owner_sorted, minlength=self.world_size)
         recv_counts = funcol.all_to_all_single(send_counts, None, None, group)
         send, recv = send_counts.tolist(), recv_counts.tolist()  # the exchange's sizes: one host sync
-        rows = tokens[torch.div(order, self.top_k, rounding_mode="floor")]
-        local_ids = (ids[order] - owner[order] * self.local_experts).to(torch.int32)
         received_ids = funcol.all_to_all_single(local_ids, recv, send, group)
         received = funcol.all_to_all_single_autograd(rows, recv, send, group)
         result = meanwhile()
@@ -149,21 +155,18 @@ class ExpertParallelMoE(nn.Module):
         zeros. Every size is fixed by the shapes: no count exchange, no host synchronisation."""
         group = self.group or dist.group.WORLD
         capacity, world = self.capacity, self.world_size
-        owner = torch.div(ids, self.local_experts, rounding_mode="floor")
-        order = torch.argsort(owner, stable=True)
-        owner_sorted = owner[order]
-        counts = torch.bincount(owner, minlength=world)
+        order, owner_sorted, rows, local_ids = self._sorted_by_owner(tokens, ids)
+        counts = torch.bincount(owner_sorted, minlength=world)
         position = torch.arange(ids.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[owner_sorted]
         kept = position < capacity
         self.dropped_assignments = (~kept).sum()
         # Each sorted assignment's slot in the (world x capacity) buffer; dropped ones write to a
         # spare last row, which is never sent, and read back zeros.
         slot = torch.where(kept, owner_sorted * capacity + position, world * capacity)
-        rows = tokens[torch.div(order, self.top_k, rounding_mode="floor")]
         send = tokens.new_zeros(world * capacity + 1, self.hidden_size).index_copy(0, slot, rows)[:-1]
-        local_ids = torch.full((world * capacity + 1,), -1, dtype=torch.int32, device=ids.device)
-        local_ids = local_ids.index_copy(0, slot, (ids[order] - owner_sorted * self.local_experts).to(torch.int32))
-        received_ids = funcol.all_to_all_single(local_ids[:-1], None, None, group)
+        slot_ids = torch.full((world * capacity + 1,), -1, dtype=torch.int32, device=ids.device)
+        slot_ids = slot_ids.index_copy(0, slot, local_ids)
+        received_ids = funcol.all_to_all_single(slot_ids[:-1], None, None, group)
         received = funcol.all_to_all_single_autograd(send, None, None, group)
         result = meanwhile()
         returned = funcol.all_to_all_single_autograd(self._compute(received, received_ids), None, None, group)
