@@ -116,11 +116,12 @@ def _tc(args) -> int:
         options = dict(dim=args.dim, depth=args.depth, experts=args.experts)
         folds, mean, models, predictions = tc.run_cross_validation(
             compounds, folds=args.folds, split=args.split, epochs=args.epochs, device=device, backend=backend,
-            baseline=args.baseline != "none", seed=args.seed, model_options=options, progress=progress, table=table,
-            features=features)
+            baseline=args.baseline != "none", seed=args.seed, lr=args.lr, model_options=options, progress=progress,
+            table=table, features=features)
         meta = {"data": str(args.data), "compounds": len(compounds), "split": args.split, "folds": args.folds,
-                "epochs": args.epochs, "device": str(device), "seed": args.seed,
-                "superconductors_only": args.superconductors_only, "model_options": {**options, "backend": backend}}
+                "epochs": args.epochs, "lr": args.lr, "device": str(device), "seed": args.seed,
+                "superconductors_only": args.superconductors_only,
+                "model_options": models[0].options if models else {**options, "backend": backend}}
         if args.compare_backends:
             meta["speed"] = tc.compare_backends(compounds, device, model_options=options, seed=args.seed, table=table)
             for name, row in meta["speed"].items():
@@ -203,7 +204,7 @@ def build_parser():
                        help="SuperCon CSV (columns name, Tc), or a .pt file written by tc featurize")
     train.add_argument("--out", required=True,
                        help="output folder: metrics.json, predictions.csv, model.pt, parity.png")
-    train.add_argument("--epochs", type=int, default=60)
+    train.add_argument("--epochs", type=int, default=100)
     train.add_argument("--folds", type=int, default=5)
     train.add_argument("--split", choices=["random", "cluster"], default="random")
     train.add_argument("--limit", type=int, default=None,
@@ -211,9 +212,10 @@ def build_parser():
     train.add_argument("--superconductors-only", action="store_true", help="drop compounds with Tc = 0")
     train.add_argument("--baseline", choices=["gbt", "none"], default="gbt")
     train.add_argument("--on-error", choices=["skip", "stop"], default="skip", help="on a malformed row")
-    train.add_argument("--dim", type=int, default=128)
-    train.add_argument("--depth", type=int, default=3)
+    train.add_argument("--dim", type=int, default=256)
+    train.add_argument("--depth", type=int, default=4)
     train.add_argument("--experts", type=int, default=8)
+    train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the one-cycle schedule")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--compare-backends", action="store_true",
                        help="also time training epochs with our kernels, PyTorch (padded SDPA, per-expert loop) and "

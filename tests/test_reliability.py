@@ -150,6 +150,35 @@ def test_varlen_empty_key_sequence_is_zero_with_nan_in_other_sequences(device):
     assert torch.isfinite(dq[12:]).all()
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_non_finite_router_logits_pick_experts_in_range_and_give_nan_weights(scoring, device):
+    """Router logits with NaN or infinities (a diverged model): each row still picks k distinct
+    experts of [0, E), ranking a NaN score first as torch.topk does; a row whose picked scores
+    are NaN gets NaN weights. A pick outside [0, E) made the layer's expert counts and the router
+    gradient index out of range (a device-side assert on the GPU)."""
+    E, k = 6, 2
+    logits = torch.randn(5, E, device=device)
+    logits[1] = float("nan")
+    logits[2, 3] = float("nan")
+    logits[3, 0] = float("inf")
+    logits[4, :3] = -float("inf")
+    weights, ids = moe_route(logits, k, scoring=scoring)
+    assert ((ids >= 0) & (ids < E)).all() and (ids[:, 0] != ids[:, 1]).all()
+    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, -1)
+    ref_weights, ref_ids = torch.topk(scores, k)
+    finite = ref_weights.isfinite().all(1)
+    assert torch.equal(weights.isnan().any(1), ~finite)
+    assert torch.equal(ids[finite].long(), ref_ids[finite])
+
+    layer = FlashMoELayer(16, E, 16, k).to(device)
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    with torch.no_grad():
+        layer.router.weight[0] = float("nan")
+    out = layer(x)
+    out.sum().backward()
+    assert out.isnan().all() and layer.tokens_per_expert.sum() == 5 * k
+
+
 # 5. Cumulative lengths changed behind the version counter ---------------------------------------
 
 @pytest.mark.parametrize("how", ["data", "numpy"])

@@ -35,13 +35,15 @@ FAMILIES = {
 
 
 def models(family, attn="fms", experts="fms"):
-    """(eager model, ours) with the same weights, fp32, on DEVICE."""
-    config = FAMILIES[family]()
+    """(eager model, ours) with the same weights, fp32, on DEVICE. Each model has its own config:
+    from_config records the implementations in the config it is given, and a model reads them
+    from there at every call, so a shared config would run both models on the last one's."""
     torch.manual_seed(0)
-    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+    eager = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="eager",
                                                           experts_implementation="eager").float()
-    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+    ours = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation=attn,
                                                          experts_implementation=experts).float()
+    assert (eager.config._attn_implementation, ours.config._attn_implementation) == ("eager", attn)
     ours.load_state_dict(eager.state_dict())
     return eager.to(DEVICE), ours.to(DEVICE)
 
@@ -87,6 +89,22 @@ def test_greedy_generation_gives_eager_tokens(family):
     prompt = torch.randint(0, 96, (1, 6), device=DEVICE)
     tokens = ours.generate(prompt, max_new_tokens=16, do_sample=False)
     assert torch.equal(tokens, eager.generate(prompt, max_new_tokens=16, do_sample=False))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_of_a_left_padded_batch_gives_eager_logits(cache):
+    """Every step's logits of greedy decoding, left padding in the batch. A static cache hands the
+    attention all its slots (the unfilled ones too) with a padding mask as long as the tokens so far."""
+    eager, ours = models("qwen3_moe")
+    prompt = torch.randint(0, 96, (2, 6), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation=cache,
+                   return_dict_in_generate=True, output_logits=True)
+    out, ref = ours.generate(prompt, **options), eager.generate(prompt, **options)
+    assert torch.equal(out.sequences, ref.sequences)
+    for step, (logits, ref_logits) in enumerate(zip(out.logits, ref.logits)):
+        assert rel(logits, ref_logits) < 1e-5, step
 
 
 def test_experts_that_the_kernels_cannot_express_fall_back_with_one_warning(monkeypatch):

@@ -15,6 +15,7 @@ the timings mean nothing.
 """
 from __future__ import annotations
 
+import copy
 import statistics
 
 import torch
@@ -31,7 +32,7 @@ MODELS = {
                                            num_experts_per_tok=2), 2, 2),
     "olmoe-1b-7b": ("OlmoeConfig", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
                                         num_attention_heads=16, num_key_value_heads=16, num_experts=64,
-                                        num_experts_per_tok=8), 16, 4),
+                                        num_experts_per_tok=8), 16, 1),
 }
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=32, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2)
@@ -45,6 +46,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="layers of every model (default: each model's)")
     parser.add_argument("--seqlen", type=int, default=4096, help="tokens per sequence of the train and prefill runs")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens each decode run generates")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break one training step's GPU time down by kernel kind (torch.profiler)")
 
 
 def _config(name, layers, device):
@@ -81,7 +84,46 @@ def _timed(fn, repeats):
     return statistics.median(times)
 
 
-def _measure(model, batch, seqlen, new_tokens, vocab, device, repeats):
+# Kernel kinds of a training step, by the first pattern (lower case) a kernel's name contains: our
+# kernels, PyTorch's SDPA backends (flash, cuDNN, memory-efficient), torch._grouped_mm (CUTLASS
+# grouped GEMMs), dense GEMMs (the projections, the router, the LM head), AdamW's fused
+# multi-tensor kernels, and the rest (norms, activations, the loss, copies, indexing).
+KERNEL_KINDS = (("attention", ("attention", "flash", "fmha", "sdpa", "attn")),
+                ("experts", ("gate_up", "down_kernel", "combine_kernel", "route_kernel", "align_pairs", "count_pairs",
+                             "grad_x_kernel", "grad_w", "moe", "grouped", "groupproblemshape")),
+                ("dense gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul")),
+                ("optimizer", ("multi_tensor", "adam")))
+
+
+def kernel_kind(name: str) -> str:
+    """Which part of a training step a GPU kernel belongs to (KERNEL_KINDS), or "other"."""
+    lower = name.lower()
+    for kind, patterns in KERNEL_KINDS:
+        if any(p in lower for p in patterns):
+            return kind
+    return "other"
+
+
+def _profile(step) -> dict:
+    """GPU milliseconds of one call of `step` per kernel kind, and its eight longest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()
+               if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    kinds = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for name, ms in kernels:
+        kinds[kernel_kind(name)] += ms
+    top = sorted(kernels, key=lambda k: -k[1])[:8]
+    return {"ms_by_kind": kinds, "total_ms": sum(kinds.values()),
+            "top_kernels": [{"name": name[:120], "kind": kernel_kind(name), "ms": ms} for name, ms in top]}
+
+
+def _measure(model, batch, seqlen, new_tokens, vocab, device, repeats, profile=False):
     ids = torch.randint(0, vocab, (batch, seqlen), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
@@ -99,6 +141,8 @@ def _measure(model, batch, seqlen, new_tokens, vocab, device, repeats):
     model.train()
     row["train_ms"] = _timed(train_step, repeats)
     row["train_tokens_per_s"] = batch * seqlen / row["train_ms"] * 1e3
+    if profile and device.type == "cuda":
+        row["train_profile"] = _profile(train_step)
     model.eval()
     row["prefill_ms"] = _timed(prefill, repeats)
     for decode_batch in ((1, 32) if device.type == "cuda" else (1,)):
@@ -107,7 +151,7 @@ def _measure(model, batch, seqlen, new_tokens, vocab, device, repeats):
         def generate(prompt=prompt):
             model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
-        ms = _timed(generate, max(1, repeats // 2))
+        ms = _timed(generate, repeats)  # host-bound and noisy: the median of as many runs as the rest
         row[f"decode_b{decode_batch}_tokens_per_s"] = decode_batch * new_tokens / ms * 1e3
     return row
 
@@ -132,7 +176,8 @@ def run(args) -> dict:
         for impl in args.impls:
             attn, experts = IMPLEMENTATIONS[impl]
             with device:  # initialised where it runs: billions of parameters drawn on the CPU took minutes
-                model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                # its own config: from_config writes the implementations into the one it is given
+                model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn,
                                                                       experts_implementation=experts, dtype=dtype)
             if state is None:
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -141,7 +186,8 @@ def run(args) -> dict:
             row = dict(model=name, impl=impl, attn_implementation=attn, experts_implementation=experts,
                        layers=config.num_hidden_layers, batch=batch, seqlen=seqlen, new_tokens=new_tokens)
             try:
-                row.update(_measure(model, batch, seqlen, new_tokens, config.vocab_size, device, repeats))
+                row.update(_measure(model, batch, seqlen, new_tokens, config.vocab_size, device, repeats,
+                                    profile=args.profile))
             except (RuntimeError, NotImplementedError) as exc:  # out of memory, or a path a backend lacks
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -164,4 +210,7 @@ def summarize(result: dict) -> str:
             continue
         decode = ", ".join(f"{r[k]:.1f}" for k in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s") if k in r)
         lines.append(f"  {r['model']} {r['impl']} | {r['train_tokens_per_s']:.0f} | {r['prefill_ms']:.1f} | {decode}")
+        if "train_profile" in r:
+            kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in r["train_profile"]["ms_by_kind"].items())
+            lines.append(f"    train step GPU ms by kernel kind: {kinds}")
     return "\n".join(lines)

@@ -254,9 +254,54 @@ def _cell(v):
     return "" if v is None else str(v)
 
 
+def _model_ratio(ours, theirs, key, higher_is_better=True):
+    if ours.get(key) is None or theirs.get(key) is None:
+        return ""
+    ratio = ours[key] / theirs[key] if higher_is_better else theirs[key] / ours[key]
+    return f" ({ratio:.2f}x)"
+
+
+def render_model(name: str, result: dict) -> str:
+    """transformers models end to end: per model, each implementation's training step, prefill and
+    decode (ours with its ratio to transformers' sdpa + grouped_mm), then where each training
+    step's GPU time goes by kernel kind (bench model --profile)."""
+    rows = result["rows"]
+    meta = result["meta"]
+    out = [_source_line(name, meta).rstrip("\n") + f" _transformers {meta.get('transformers')}._", "",
+           "| model (layers, batch x tokens) | implementation | training step, tokens/s | prefill, ms | "
+           "decode batch 1, tokens/s | decode batch 32, tokens/s |", "|---|---|---|---|---|---|"]
+    base = {r["model"]: r for r in rows if r["impl"] == "sdpa_grouped_mm" and "error" not in r}
+    for r in rows:
+        shape = f"{r['model']} ({r['layers']}, {r['batch']} x {r['seqlen']})"
+        impl = f"{r['attn_implementation']} + {r['experts_implementation']}"
+        if "error" in r:
+            out.append(f"| {shape} | {impl} | {r['error'].split(':')[0]} | | | |")
+            continue
+        theirs = base.get(r["model"]) if r["impl"] != "sdpa_grouped_mm" else None
+        cells = [f"{_fmt(r.get(key), digits)}{_model_ratio(r, theirs, key, higher) if theirs else ''}"
+                 for key, digits, higher in (("train_tokens_per_s", 0, True), ("prefill_ms", 1, False),
+                                             ("decode_b1_tokens_per_s", 0, True),
+                                             ("decode_b32_tokens_per_s", 0, True))]
+        out.append(f"| {shape} | {impl} | " + " | ".join(cells) + " |")
+    profiled = [r for r in rows if "train_profile" in r]
+    if profiled:
+        kinds = list(profiled[0]["train_profile"]["ms_by_kind"])
+        out += ["", "GPU time of one training step by kernel kind, ms (torch.profiler; \"experts\" is our MoE "
+                "kernels or torch._grouped_mm's GEMMs; the routing, sorting and weighting around grouped_mm are "
+                "elementwise kernels, under \"other\"):", "",
+                "| model | implementation | " + " | ".join(kinds) + " | total |", "|---|---|" + "---|" * (len(kinds) + 1)]
+        for r in profiled:
+            p = r["train_profile"]
+            out.append(f"| {r['model']} | {r['attn_implementation']} + {r['experts_implementation']} | "
+                       + " | ".join(f"{p['ms_by_kind'][k]:.1f}" for k in kinds) + f" | {p['total_ms']:.1f} |")
+    return "\n".join(out) + "\n"
+
+
 def render(name: str, result: dict) -> str:
     if name.startswith("attention_"):
         return render_attention(name, result)
+    if name == "model":
+        return render_model(name, result)
     if name in ("moe", "moe_fwd_bwd"):
         return render_moe(name, result)
     if name == "moe_train":
@@ -301,8 +346,9 @@ def _load(results_dir, name):
 
 def render_headline(results_dir) -> str:
     """One short table: attention forward and backward (bf16, D = 128, causal) against the fastest
-    PyTorch backend in the same run, and the MoE layer forward and forward+backward against
-    torch._grouped_mm, each row naming its results file."""
+    PyTorch backend in the same run, the MoE layer forward and forward+backward against
+    torch._grouped_mm, and transformers models' training step and prefill against transformers'
+    sdpa + grouped_mm, each row naming its results file."""
     out = ["| what | shape | ours | PyTorch's best in the same run | ours / theirs | file |",
            "|---|---|---|---|---|---|"]
     gpus = []
@@ -332,6 +378,28 @@ def render_headline(results_dir) -> str:
                 ours, theirs = rows["ours"]["ms"], rows["gmm"]["ms"]
                 out.append(f"| {label} | {shape} T={tokens} | {ours:.3f} ms | {theirs:.3f} ms "
                            f"({_IMPL_NAMES['grouped_mm']}) | {theirs / ours:.2f}x | `{name}.json` |")
+    result = _load(results_dir, "model")
+    if result is not None:
+        gpus.append(result["meta"].get("gpu") or "CPU")
+        rows = {(r["model"], r["impl"]): r for r in result["rows"] if "error" not in r}
+        for (model, impl), ours in rows.items():
+            theirs = rows.get((model, "sdpa_grouped_mm"))
+            if impl != "ours" or theirs is None:
+                continue
+            shape = f"{model}, {ours['layers']} layers, {ours['batch']} x {ours['seqlen']} tokens"
+            out.append(f"| transformers training step | {shape} | {ours['train_tokens_per_s']:.0f} tokens/s | "
+                       f"{theirs['train_tokens_per_s']:.0f} (sdpa + grouped_mm) | "
+                       f"{ours['train_tokens_per_s'] / theirs['train_tokens_per_s']:.2f}x | `model.json` |")
+            out.append(f"| transformers prefill | {shape} | {ours['prefill_ms']:.1f} ms | "
+                       f"{theirs['prefill_ms']:.1f} ms (sdpa + grouped_mm) | "
+                       f"{theirs['prefill_ms'] / ours['prefill_ms']:.2f}x | `model.json` |")
+            keys = [k for k in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s") if k in ours and k in theirs]
+            if keys:
+                batches = " / ".join(k.split("_")[1][1:] for k in keys)
+                out.append(f"| transformers decode (`generate`) | {model}, batch {batches} | "
+                           + " / ".join(f"{ours[k]:.0f}" for k in keys) + " tokens/s | "
+                           + " / ".join(f"{theirs[k]:.0f}" for k in keys) + " (sdpa + grouped_mm) | "
+                           + " / ".join(f"{ours[k] / theirs[k]:.2f}x" for k in keys) + " | `model.json` |")
     return f"_{', '.join(dict.fromkeys(gpus))}; bf16._\n\n" + "\n".join(out) + "\n"
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from ..attention import flash_attention_science, flash_attention_varlen
 from ..moe import fused_experts
@@ -75,11 +76,14 @@ def fms_attention_forward(module, query, key, value, attention_mask, scaling=Non
 
 def _padded_attention(query, key, value, mask, causal, options):
     """A padded batch as packed sequences: key b's valid tokens are mask[b] (the last Sk entries of
-    the padding mask), query b's the last Sq of them; outputs of padding queries are 0."""
+    the padding mask), query b's the last Sq entries of the mask; outputs of padding queries are 0.
+    A mask shorter than the keys comes with a static cache: the keys past it are unfilled slots."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
-    mask = mask[:, -seqlen_k:]
     q_mask = mask[:, -seqlen_q:]
+    mask = mask[:, -seqlen_k:]
+    if mask.shape[1] < seqlen_k:
+        mask = F.pad(mask, (0, seqlen_k - mask.shape[1]), value=False)
     k_index = mask.flatten().nonzero().squeeze(1)
     q_index = q_mask.flatten().nonzero().squeeze(1)
     lengths_k, lengths_q = mask.sum(1, dtype=torch.int32), q_mask.sum(1, dtype=torch.int32)

@@ -44,6 +44,12 @@ MAGPIE_PROPERTIES = ("Number", "MendeleevNumber", "AtomicWeight", "MeltingT", "C
                      "NsUnfilled", "NpUnfilled", "NdUnfilled", "NfUnfilled", "NUnfilled", "GSvolume_pa",
                      "GSbandgap", "GSmagmom", "SpaceGroupNumber")
 TC_CLASS_K = 10.0  # Stanev et al.'s classification threshold
+TC_SCALE_K = 100.0
+# What the model and the baseline regress, and back to Tc in K: Tc / 100 K (the mean squared error
+# in kelvin, what R² and RMSE score) or log(1 + Tc) (relative errors: the many low-Tc compounds
+# weigh as much as the cuprates).
+TARGETS = {"kelvin": (lambda tc: tc / TC_SCALE_K, lambda y: y * TC_SCALE_K),
+           "log1p": (torch.log1p, torch.expm1)}
 
 
 @dataclass
@@ -161,26 +167,36 @@ def element_table() -> torch.Tensor:
 
 
 def pack(compounds, device) -> tuple:
-    """(atomic numbers (T,), fractions (T,), cu_seqlens (B + 1,) int32, longest, log1p Tc (B,))."""
+    """(atomic numbers (T,), fractions (T,), cu_seqlens (B + 1,) int32, longest, Tc in K (B,))."""
     z = torch.tensor([e for c in compounds for e in c.elements], dtype=torch.long)
     frac = torch.tensor([f for c in compounds for f in c.fractions], dtype=torch.float32)
     lengths = torch.tensor([len(c.elements) for c in compounds], dtype=torch.int32)
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0, dtype=torch.int32)])
-    target = torch.log1p(torch.tensor([c.tc for c in compounds], dtype=torch.float32))
-    return z.to(device), frac.to(device), cu.to(device), int(lengths.max()), target.to(device)
+    tc = torch.tensor([c.tc for c in compounds], dtype=torch.float32)
+    return z.to(device), frac.to(device), cu.to(device), int(lengths.max()), tc.to(device)
 
 
 class TcSetTransformer(nn.Module):
     """Set transformer over a compound's element tokens (module docstring)."""
 
     def __init__(self, table: torch.Tensor, dim: int = 128, heads: int = 4, depth: int = 3, experts: int = 8,
-                 expert_dim: int = 128, top_k: int = 2, backend: str = "kernels"):
+                 expert_dim: int = 128, top_k: int = 2, backend: str = "kernels", target: str = "kelvin",
+                 fraction_frequencies: int = 16):
         super().__init__()
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
         self.backend, self.heads, self.dim = backend, heads, dim
+        # Every option, saved with the weights (`write_outputs`) so that a reload builds this model.
+        self.options = dict(dim=dim, heads=heads, depth=depth, experts=experts, expert_dim=expert_dim, top_k=top_k,
+                            backend=backend, target=target, fraction_frequencies=fraction_frequencies)
+        self.encode, self.decode = TARGETS[target]
         self.register_buffer("table", table)
         self.embed = nn.Embedding(MAX_Z + 1, dim)
         self.props = nn.Linear(table.shape[1], dim)
-        self.frac = nn.Linear(2, dim)
+        # The fraction f as f and log f, and (CrabNet's idea) sines and cosines of both at
+        # geometric frequencies, so that doping steps of a percent move the token.
+        self.register_buffer("frequencies", 2 * math.pi * torch.logspace(0, 3, fraction_frequencies))
+        self.frac = nn.Linear(2 + 4 * fraction_frequencies, dim)
         self.blocks = nn.ModuleList()
         for _ in range(depth):
             self.blocks.append(nn.ModuleDict(dict(norm1=nn.LayerNorm(dim), qkv=nn.Linear(dim, 3 * dim),
@@ -214,8 +230,13 @@ class TcSetTransformer(nn.Module):
                                         layer.top_k).to(x.dtype)
         return fused_moe_torch(x, layer.w1, layer.w2, logits, layer.top_k)
 
+    def _fraction_features(self, frac):
+        scaled = torch.stack([frac, torch.log(frac) / 10], -1)  # log f of a 1e-4 share is -0.92
+        angles = (scaled[..., None] * self.frequencies).flatten(-2)
+        return torch.cat([scaled, torch.sin(angles), torch.cos(angles)], -1)
+
     def forward(self, z, frac, cu, longest):
-        x = self.embed(z) + self.props(self.table[z]) + self.frac(torch.stack([frac, torch.log(frac)], -1))
+        x = self.embed(z) + self.props(self.table[z]) + self.frac(self._fraction_features(frac))
         for block in self.blocks:
             q, k, v = block["qkv"](block["norm1"](x)).view(-1, 3, self.heads, self.dim // self.heads).unbind(1)
             x = x + block["out"](self._attention(q, k, v, cu, longest).reshape(-1, self.dim))
@@ -261,7 +282,7 @@ def metrics(pred_tc, true_tc) -> dict:
             "accuracy_10k": ((pred > TC_CLASS_K) == (true > TC_CLASS_K)).double().mean().item()}
 
 
-def train_model(train, table, device, *, epochs, batch_size=256, lr=2e-3, seed=0, backend="kernels",
+def train_model(train, table, device, *, epochs, batch_size=256, lr=1e-3, seed=0, backend="kernels",
                 model_options=None, progress=None):
     """A model trained on `train` compounds; returns (model, per-epoch mean losses, seconds, tokens/s)."""
     torch.manual_seed(seed)
@@ -276,8 +297,8 @@ def train_model(train, table, device, *, epochs, batch_size=256, lr=2e-3, seed=0
         rng.shuffle(order)
         epoch_losses = []
         for first in range(0, len(order), batch_size):
-            z, frac, cu, longest, target = pack([train[i] for i in order[first:first + batch_size]], device)
-            loss = F.mse_loss(model(z, frac, cu, longest), target)
+            z, frac, cu, longest, tc = pack([train[i] for i in order[first:first + batch_size]], device)
+            loss = F.mse_loss(model(z, frac, cu, longest), model.encode(tc))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -296,7 +317,7 @@ def predict(model, compounds, device, batch_size=1024) -> torch.Tensor:
     out = []
     for first in range(0, len(compounds), batch_size):
         z, frac, cu, longest, _ = pack(compounds[first:first + batch_size], device)
-        out.append(torch.expm1(model(z, frac, cu, longest)).clamp_min(0).cpu())
+        out.append(model.decode(model(z, frac, cu, longest)).clamp_min(0).cpu())
     return torch.cat(out)
 
 
@@ -340,7 +361,7 @@ def load_features(path) -> tuple:
 
 
 def run_cross_validation(compounds, *, folds, split, epochs, device, backend="kernels", baseline=True, seed=0,
-                         batch_size=256, model_options=None, progress=None, table=None, features=None):
+                         batch_size=256, lr=1e-3, model_options=None, progress=None, table=None, features=None):
     """Per fold: the model's and the baseline's metrics on the held-out compounds; their means.
     `table` and `features` (the Magpie features of `compounds`), when given (`load_features`),
     are used instead of computing them with matminer."""
@@ -354,7 +375,7 @@ def run_cross_validation(compounds, *, folds, split, epochs, device, backend="ke
         test_idx = [i for i, f in enumerate(fold_of) if f == fold]
         test = [compounds[i] for i in test_idx]
         model, losses, seconds, tokens_per_s = train_model(train, table, device, epochs=epochs, seed=seed + fold,
-                                                           backend=backend, batch_size=batch_size,
+                                                           backend=backend, batch_size=batch_size, lr=lr,
                                                            model_options=model_options, progress=progress)
         true = [c.tc for c in test]
         pred = predict(model, test, device)
@@ -365,8 +386,9 @@ def run_cross_validation(compounds, *, folds, split, epochs, device, backend="ke
 
             train_idx = [i for i, f in enumerate(fold_of) if f != fold]
             gbt = HistGradientBoostingRegressor(max_iter=500, learning_rate=0.05, random_state=seed)
-            gbt.fit(features[train_idx], [math.log1p(compounds[i].tc) for i in train_idx])
-            base = torch.expm1(torch.tensor(gbt.predict(features[test_idx]))).clamp_min(0)
+            encode, decode = TARGETS[(model_options or {}).get("target", "kelvin")]
+            gbt.fit(features[train_idx], encode(torch.tensor([compounds[i].tc for i in train_idx])).numpy())
+            base = decode(torch.tensor(gbt.predict(features[test_idx]))).clamp_min(0)
             row["baseline"] = metrics(base, true)
         else:
             base = None
@@ -388,7 +410,8 @@ def write_outputs(out_dir, folds_rows, mean, models, predictions, meta) -> Path:
         writer = csv.writer(f)
         writer.writerow(["formula", "tc", "predicted_tc", "baseline_tc"])
         writer.writerows(predictions)
-    torch.save({"options": meta["model_options"], "states": [m.state_dict() for m in models]}, out / "model.pt")
+    torch.save({"options": models[0].options if models else meta["model_options"],
+                "states": [m.state_dict() for m in models]}, out / "model.pt")
     try:
         import matplotlib
         matplotlib.use("Agg")

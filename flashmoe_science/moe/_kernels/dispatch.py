@@ -48,12 +48,16 @@ def _route_rows(logits_ptr, stride_lt, rows, T, E, top_k, sigmoid, renormalize, 
         x = tl.where(col_ok[None, :], x, float("-inf"))
         e = tl.exp(x - tl.max(x, axis=1)[:, None])
         scores = e / tl.sum(e, axis=1)[:, None]
-    # Scores lie in [0, 1]: -1 marks padding columns and experts already taken.
-    scores = tl.where(col_ok[None, :], scores, -1.0)
+    # Scores lie in [0, 1]: -1 marks padding columns and experts already taken. A NaN score (from
+    # NaN or infinite logits) ranks as 2, above every score, as torch.topk ranks NaN first, and its
+    # weight is NaN: the pick stays an expert of [0, E) and the NaN reaches the output (a NaN
+    # compared inside the max could pick a padding column instead).
+    scores = tl.where(col_ok[None, :], tl.where(scores != scores, 2.0, scores), -1.0)
     weights = tl.zeros((rows.shape[0], kcols.shape[0]), dtype=tl.float32)
     ids = tl.zeros((rows.shape[0], kcols.shape[0]), dtype=tl.int32)
     for j in range(top_k):
         best, pick = tl.max(scores, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        best = tl.where(best > 1.0, float("nan"), best)
         weights = tl.where(kcols[None, :] == j, best[:, None], weights)
         ids = tl.where(kcols[None, :] == j, pick[:, None], ids)
         scores = tl.where(cols[None, :] == pick[:, None], -1.0, scores)
