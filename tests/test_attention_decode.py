@@ -16,12 +16,14 @@ from flashmoe_science.launch import clear_records, last_launch
 from test_attention_forward import rel_error
 
 
-def reference(q, k_cache, v_cache, lengths, causal=True, **options):
-    """Per sequence: float64 attention of q (B, Sq, Hq, D) over its first lengths[b] cached keys;
-    out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
+def reference(q, k_cache, v_cache, lengths, causal=True, starts=None, **options):
+    """Per sequence: float64 attention of q (B, Sq, Hq, D) over its cached keys starts[b] (0 by
+    default) to lengths[b]; out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
     outs, lses = [], []
     for b, n in enumerate(lengths):
-        q_b, k_b, v_b = (t[b:b + 1, :n if t is not q else None].transpose(1, 2).double() for t in (q, k_cache, v_cache))
+        first = starts[b] if starts is not None else 0
+        q_b = q[b:b + 1].transpose(1, 2).double()
+        k_b, v_b = (t[b:b + 1, first:n].transpose(1, 2).double() for t in (k_cache, v_cache))
         out, lse = attention_reference(q_b, k_b, v_b, causal=causal, **options)
         outs.append(out.transpose(1, 2))
         lses.append(lse)
@@ -154,6 +156,58 @@ def test_malformed_device_values_poison_their_sequence_only(device):
     torch.testing.assert_close(out[[0, 2]].cpu().double(), good[[0, 2]], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("paged_cache", [False, True])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("Sq,options", [(1, {}), (3, dict(window_size=(9, 0), softcap=4.0)), (2, dict(causal=False))])
+def test_left_padded_sequences_attend_from_their_start(Sq, options, num_splits, paged_cache, device):
+    """cache_leftpad[b]: sequence b occupies cache positions leftpad[b] to its length, the slots
+    before hold padding (NaN here: nothing of them may reach an output); causality and windows
+    count from the sequence's start, with new keys appended at cache_seqlens[b]."""
+    B, Hq, Hkv, D, capacity = 4, 4, 2, 32, 64
+    lengths, leftpad = [40, 40, 64, 17], [0, 7, 50, 17]  # none, some, most, all of the sequence is padding
+    q = torch.randn(B, Sq, Hq, D, device=device)
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.float32, device, lengths)
+    for b, first in enumerate(leftpad):
+        k_cache[b, :first] = float("nan")
+        v_cache[b, :first] = float("nan")
+    k_new, v_new = (torch.randn(B, Sq, Hkv, D, device=device) for _ in range(2))
+    seqlens = torch.tensor([n - Sq for n in lengths], dtype=torch.int32, device=device)
+    pad = torch.tensor(leftpad, dtype=torch.int32, device=device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        expected_k[b, n - Sq:n] = k_new[b]
+        expected_v[b, n - Sq:n] = v_new[b]
+    pad[3] = lengths[3] - Sq  # the padding runs up to the new tokens: they are the whole sequence
+    leftpad[3] = lengths[3] - Sq
+    table = None
+    if paged_cache:
+        k_cache, table = paged(k_cache.cpu(), 16)
+        v_cache = pages_like(v_cache.cpu(), k_cache, table)
+        k_cache, v_cache, table = k_cache.to(device), v_cache.to(device), table.to(device)
+    causal = options.pop("causal", True)
+    out, lse = flash_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                            cache_leftpad=pad, block_table=table, causal=causal,
+                                            num_splits=num_splits, return_lse=True, **options)
+    ref, ref_lse = reference(q.cpu(), expected_k.cpu(), expected_v.cpu(), lengths, causal, starts=leftpad, **options)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu().double()[seen], ref_lse[seen].double(), atol=2e-5, rtol=1e-5)
+
+
+def test_left_padding_out_of_range_poisons_its_sequence_only(device):
+    B, Sq, Hq, Hkv, D, capacity = 3, 1, 4, 2, 32, 64
+    q = torch.randn(B, Sq, Hq, D, device=device)
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.float32, device, [capacity] * B)
+    lengths = torch.tensor([20, 30, 40], dtype=torch.int32, device=device)
+    good = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), [20, 30, 40], starts=[2, 0, 5])[0]
+    for bad in (31, -1, 2**31 - 1):
+        pad = torch.tensor([2, bad, 5], dtype=torch.int32, device=device)
+        out = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_leftpad=pad)
+        assert torch.isnan(out[1]).all(), bad
+        torch.testing.assert_close(out[[0, 2]].cpu().double(), good[[0, 2]], atol=2e-5, rtol=1e-4)
+
+
 def test_empty_cache_and_empty_batch(device):
     q = torch.randn(2, 1, 4, 32, device=device)
     k_cache = torch.randn(2, 16, 2, 32, device=device)
@@ -188,6 +242,9 @@ def test_records_the_split_kernel(device):
     (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=t, causal=1), "causal must be a bool"),
     (lambda q, c, t: flash_attention_with_kvcache(q, c[:1], c[:1], cache_seqlens=t), "batch size"),
     (lambda q, c, t: flash_attention_with_kvcache(q[..., :3, :], c, c, cache_seqlens=t), "multiple of the caches'"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=t, cache_leftpad=t.long()),
+     "cache_leftpad must be a contiguous int32"),
+    (lambda q, c, t: flash_attention_with_kvcache(q, c, c, cache_seqlens=t, cache_leftpad=3), "cache_leftpad must be an"),
 ])
 def test_bad_arguments_are_named(call, message, device):
     q = torch.randn(2, 1, 4, 32, device=device)

@@ -145,3 +145,20 @@ def test_featurized_file_trains_without_pymatgen_or_matminer(tmp_path):
     assert main(["tc", "train", "--data", str(data), "--out", str(tmp_path / "b"), *options]) == 0
     metrics = [json.loads((tmp_path / side / "metrics.json").read_text())["mean"] for side in ("a", "b")]
     assert metrics[0] == metrics[1]
+
+
+def test_option_sweep_scores_each_candidate_on_the_held_out_fold(tmp_path):
+    """bench/sweeps/tc.py: each candidate's held-out and training scores, written as it finishes;
+    a candidate that fails is a row with its error, and the sweep goes on."""
+    from flashmoe_science.bench.sweeps import tc as sweep
+
+    compounds = tc.load_supercon(write_csv(tmp_path / "d.csv", synthetic_rows(60)))
+    features = tc.featurize(compounds, tmp_path / "features.pt", baseline=False)
+    tiny = {"dim": 16, "heads": 2, "depth": 1, "experts": 4, "expert_dim": 16}
+    variants = [["tiny", tiny, {"epochs": 2, "batch_size": 16}],
+                ["bad", {**tiny, "target": "celsius"}, {"epochs": 1}]]
+    sweep.main(["--data", str(features), "--variants", json.dumps(variants), "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "tc_sweep.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["tiny", "bad"]
+    assert {"r2", "rmse_k", "mae_k", "accuracy_10k", "train_r2", "last_loss"} <= set(rows[0])
+    assert "target must be one of" in rows[1]["error"]

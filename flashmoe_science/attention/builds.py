@@ -59,7 +59,7 @@ def _decode_builds():
         for paged, softcap in ((False, False), (True, True)):
             sig = {name: "i32" for name in attention_decode_split_kernel.arg_names}
             sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O_PART="*fp32",
-                       LSE_PART="*fp32", OUT=ptr[element_size], LSE="*fp32", CACHE_SEQLENS="*i32",
+                       LSE_PART="*fp32", OUT=ptr[element_size], LSE="*fp32", CACHE_SEQLENS="*i32", CACHE_LEFTPAD="*i32",
                        BLOCK_TABLE="*i32", scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               PAGE_SIZE=16 if paged else 0, SOFTCAP=softcap, LENGTHS_TENSOR=paged, SINGLE=paged,

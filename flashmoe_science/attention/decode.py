@@ -5,7 +5,8 @@ flash-attn's layouts and meaning: q (B, Sq, Hq, D); a contiguous cache k_cache, 
 (B, max_pages_per_sequence) int32; `cache_seqlens` each sequence's cached length. Optional new
 keys and values (B, Sq_new, Hkv, D) are written into the cache at cache_seqlens[b] ... before the
 attention reads it (`_kernels/decode.kv_cache_append_kernel`; the caller advances
-cache_seqlens), and the call attends to cache_seqlens[b] + Sq_new keys, bottom-right causal.
+cache_seqlens), and the call attends to cache_seqlens[b] + Sq_new keys, bottom-right causal;
+with `cache_leftpad`, to the keys from cache_leftpad[b] on (a left-padded batch in one cache).
 
 Split-KV (flash-decoding): each (batch entry, KV head) has few query rows, so the keys are cut
 into `num_splits` ranges that separate programs attend to, each writing a partial output and its
@@ -40,7 +41,7 @@ def _check_tensor(name, t, ndim, dims, dtypes=DTYPES):
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides {tuple(t.stride())}")
 
 
-def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad) -> None:
     """Shapes, dtypes and devices; cache_seqlens' values when it is an int (a tensor's are device
     values, checked by the kernels)."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
@@ -84,6 +85,15 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None
                                  f"of q's dtype and device, got {tuple(t.shape)} {t.dtype} on {t.device}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if cache_leftpad is not None:
+        if not isinstance(cache_leftpad, torch.Tensor):
+            raise TypeError(f"cache_leftpad must be an int32 tensor of shape ({batch},) or None, got "
+                            f"{type(cache_leftpad).__name__}")
+        if cache_leftpad.dtype != torch.int32 or cache_leftpad.shape != (batch,) or cache_leftpad.stride(0) != 1:
+            raise ValueError(f"cache_leftpad must be a contiguous int32 tensor of shape ({batch},), got "
+                             f"{cache_leftpad.dtype} {tuple(cache_leftpad.shape)}")
+        if cache_leftpad.device != q.device:
+            raise ValueError(f"cache_leftpad must be on q's device ({q.device}), got {cache_leftpad.device}")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens (int32 (batch,) tensor or int) is required: each sequence's cached length")
     if isinstance(cache_seqlens, torch.Tensor):
@@ -111,7 +121,8 @@ class DecodePlan:
     """What a call's shapes, strides, dtypes and options decide: tiles, splits, grids, workspace."""
 
     __slots__ = ("config", "rows", "block_m", "rows_padded", "num_splits", "split_len", "split_grid",
-                 "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index")
+                 "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index",
+                 "no_leftpad")
 
     def __init__(self, q, k_cache, block_table, causal, window_size, num_splits, config=None):
         """`config` (an AttentionConfig) replaces the table's, for the tuning sweep."""
@@ -135,18 +146,20 @@ class DecodePlan:
         self.window = kernel_window(causal, window_size)
         self.page_size = k_cache.shape[1] if block_table is not None else 0
         self.device_index = q.device.index if q.device.type == "cuda" else None
+        # An int32 pointer for the kernels' cache_leftpad argument when there is none (never read).
+        self.no_leftpad = torch.zeros(1, dtype=torch.int32, device=q.device)
 
 
 def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
-              num_splits):
+              num_splits, cache_leftpad=None):
     """What fixes a call's plan and every kernel specialisation (the launchers' cache key): shapes,
     strides, alignment, dtypes, devices and options; not the values of an int cache length."""
-    tensors = [t for t in (q, k_cache, v_cache, k, block_table) if t is not None]
+    tensors = [t for t in (q, k_cache, v_cache, k, block_table, cache_leftpad) if t is not None]
     if isinstance(cache_seqlens, torch.Tensor):
         tensors.append(cache_seqlens)
     return (tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors),
             tuple(t.data_ptr() % 16 for t in tensors), q.dtype, q.device, block_table is not None, k is not None,
-            causal, window_size, softcap > 0, return_lse, num_splits)
+            cache_leftpad is not None, causal, window_size, softcap > 0, return_lse, num_splits)
 
 
 def _lengths(cache_seqlens, placeholder) -> tuple:
@@ -171,11 +184,12 @@ def _append(new, cache, cache_seqlens, block_table, plan, key):
 
 
 def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_seqlens, block_table, seqlen_new,
-                  softmax_scale, softcap) -> None:
+                  softmax_scale, softcap, cache_leftpad=None) -> None:
     """Runs the split and combine kernels for a plan: writes out, shaped and laid out like q
     (B, Sq, Hq, D), and lse (B, Hq, Sq) unless None. `cache_seqlens` an int32 tensor or an int;
-    `seqlen_new` new tokens already appended. `key` (None: Triton's ordinary launch) must
-    determine the plan, as `_plan_key` does (the forward's dispatch passes its own plan key)."""
+    `seqlen_new` new tokens already appended; `cache_leftpad` None or an int32 (B,) tensor. `key`
+    (None: Triton's ordinary launch) must determine the plan, as `_plan_key` does (the forward's
+    dispatch passes its own plan key)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     if q.numel() == 0:
         return
@@ -195,11 +209,13 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
     table = block_table if block_table is not None else lse_part
     lse_arg, lse_strides = (lse, (lse.stride(0), lse.stride(1))) if write_lse else (lse_part, (0, 0))
     _SPLIT.launch(key, plan.split_grid,
-                  (q, k_cache, v_cache, o_part, lse_part, out, lse_arg, lengths, table, scale * LOG2E,
+                  (q, k_cache, v_cache, o_part, lse_part, out, lse_arg, lengths,
+                   plan.no_leftpad if cache_leftpad is None else cache_leftpad, table, scale * LOG2E,
                    scale / softcap if softcap else 0.0, softcap * LOG2E, *q.stride()[:3], *k_cache.stride()[:3],
                    *v_cache.stride()[:3], *out.stride()[:3], *lse_strides,
                    block_table.stride(0) if block_table is not None else 0, heads_kv,
-                   heads_q // heads_kv, seqlen_q, seqlen_new, cache_len, plan.capacity, k_cache.shape[0], plan.rows,
+                   heads_q // heads_kv, seqlen_q, seqlen_new, cache_len, int(cache_leftpad is not None), plan.capacity,
+                   k_cache.shape[0], plan.rows,
                    plan.rows_padded, plan.split_len, plan.num_splits, *plan.window, head_dim, plan.block_d,
                    plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor, single, write_lse),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
@@ -212,8 +228,8 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
-                                 causal=True, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0, num_splits=0,
-                                 return_lse=False):
+                                 cache_leftpad=None, causal=True, softmax_scale=None, window_size=NO_WINDOW,
+                                 softcap=0.0, num_splits=0, return_lse=False):
     """Attention of q against a KV cache, as flash-attn's `flash_attn_with_kvcache`.
 
     Args:
@@ -227,13 +243,17 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
             call attends to cache_seqlens[b] + Sq_new keys.
         block_table: int32 (B, max_pages_per_sequence): the pages of each sequence, in order;
             page_size a multiple of 16.
+        cache_leftpad: int32 (B,) tensor or None: where each sequence starts in its cache (the
+            slots before are padding, as a left-padded batch leaves them). Sequence b is the
+            cache positions cache_leftpad[b] to cache_seqlens[b] + Sq_new; causality and windows
+            count from its start. A value outside [0, cache_seqlens[b]] makes b's outputs NaN.
         causal: bottom-right aligned (query i sees keys j <= i + Sk - Sq), as the other functions.
         softmax_scale, window_size, softcap: as for `flash_attention_science`.
         num_splits: key ranges attended to by separate programs (0: chosen from the shapes and
             the SM count, never from cache_seqlens' values).
         return_lse: also return lse (B, Hq, Sq) float32.
 
-    A cache length or page id out of range, which can only be seen on the device, makes that
+    A cache length, left padding or page id out of range, which can only be seen on the device, makes that
     sequence's outputs NaN; nothing outside the caches is read or written. Not differentiable.
 
     Returns:
@@ -244,9 +264,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     check_bool("return_lse", return_lse)
     if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
-    _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
     key = _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
-                    num_splits)
+                    num_splits, cache_leftpad)
     plan = PLANS.get(key) or PLANS.remember(key, DecodePlan(q, k_cache, block_table, causal, window_size,
                                                              num_splits))
     if k is not None:
@@ -256,5 +276,5 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     batch, seqlen_q, heads_q, _ = q.shape
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     launch_decode(plan, key, q, k_cache, v_cache, out, lse, cache_seqlens, block_table,
-                  0 if k is None else k.shape[1], softmax_scale, softcap)
+                  0 if k is None else k.shape[1], softmax_scale, softcap, cache_leftpad)
     return (out, lse) if return_lse else out

@@ -37,10 +37,11 @@ def _cached_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTH
     return cached, (cached >= 0) & (cached <= max_seqlen_k - seqlen_new)
 
 
-# cache_len (an int cache_seqlens) changes from call to call under one launch key: never specialised.
-@triton.jit(do_not_specialize=["cache_len"])
+# cache_len (an int cache_seqlens) changes from call to call under one launch key, and has_leftpad
+# (0 or 1) is a runtime flag: never specialised.
+@triton.jit(do_not_specialize=["cache_len", "has_leftpad"])
 def attention_decode_split_kernel(
-    Q, K, V, O_PART, LSE_PART, OUT, LSE, CACHE_SEQLENS, BLOCK_TABLE,
+    Q, K, V, O_PART, LSE_PART, OUT, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE,
     scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -48,8 +49,8 @@ def attention_decode_split_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
     stride_tb,
-    num_heads_kv, group_size, seqlen_q, seqlen_new, cache_len, max_seqlen_k, num_pages, rows, rows_padded,
-    split_len, num_splits, window_left, window_right,
+    num_heads_kv, group_size, seqlen_q, seqlen_new, cache_len, has_leftpad, max_seqlen_k, num_pages, rows,
+    rows_padded, split_len, num_splits, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, LENGTHS_TENSOR: tl.constexpr, SINGLE: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr = TF32,
@@ -57,7 +58,10 @@ def attention_decode_split_kernel(
     """K, V strides: (batch, token, head) of a contiguous cache, (page, slot, head) of a paged one.
     O_PART (num_splits, B, Hkv, rows_padded, BLOCK_D) and LSE_PART (num_splits, B, Hkv,
     rows_padded), fp32, contiguous. SINGLE (one split: no combine kernel): the output goes straight
-    to OUT (B, Sq, Hq, D), in its dtype and strides, and lse to LSE (B, Hq, Sq) when WRITE_LSE."""
+    to OUT (B, Sq, Hq, D), in its dtype and strides, and lse to LSE (B, Hq, Sq) when WRITE_LSE.
+    has_leftpad: sequence b starts at cache position CACHE_LEFTPAD[b] (its earlier slots are
+    padding); the program works in positions relative to that start, so causality and windows
+    are as for a sequence of cached + new - leftpad tokens."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -65,8 +69,11 @@ def attention_decode_split_kernel(
     h_kv = pid_bh % num_heads_kv
     b64 = b.to(tl.int64)
     cached, fits = _cached_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTHS_TENSOR)
-    bad = ~fits
-    seqlen_k = tl.minimum(tl.maximum(cached, 0) + seqlen_new, max_seqlen_k)
+    leftpad = tl.load(CACHE_LEFTPAD + b, mask=has_leftpad != 0, other=0)
+    bad = ~fits | (leftpad < 0) | (leftpad > cached)
+    seqlen_abs = tl.minimum(tl.maximum(cached, 0) + seqlen_new, max_seqlen_k)
+    leftpad = tl.minimum(tl.maximum(leftpad, 0), seqlen_abs)
+    seqlen_k = seqlen_abs - leftpad  # keys from here on are positions relative to the start
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
 
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,8 +103,8 @@ def attention_decode_split_kernel(
     kv_head_k = h_kv.to(tl.int64) * stride_kh
     kv_head_v = h_kv.to(tl.int64) * stride_vh
     for start_n in range(lo, hi, BLOCK_N):
-        keys = start_n + offs_n
-        key_ok = keys < seqlen_k
+        keys = (leftpad + start_n) + offs_n  # cache positions
+        key_ok = keys < seqlen_abs
         if PAGE_SIZE > 0:
             page = tl.load(BLOCK_TABLE + b64 * stride_tb + keys // PAGE_SIZE, mask=key_ok, other=0)
             page_ok = (page >= 0) & (page < num_pages)
