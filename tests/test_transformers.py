@@ -101,10 +101,37 @@ def test_generation_of_a_left_padded_batch_gives_eager_logits(cache):
     mask[0, :2] = 0
     options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation=cache,
                    return_dict_in_generate=True, output_logits=True)
+    clear_records()
     out, ref = ours.generate(prompt, **options), eager.generate(prompt, **options)
+    assert last_launch("attention_decode_split") is not None  # the decode steps: the KV-cache kernels
     assert torch.equal(out.sequences, ref.sequences)
     for step, (logits, ref_logits) in enumerate(zip(out.logits, ref.logits)):
         assert rel(logits, ref_logits) < 1e-5, step
+
+
+@pytest.mark.parametrize("hole", [False, True])
+def test_decoding_attention_takes_each_sequence_from_its_start_or_packs_a_mask_with_holes(hole):
+    """A decode step's attention with a 2-D padding mask shorter than the keys (a static cache):
+    left padding runs the KV-cache kernels on the keys in place; a mask with a hole (not a
+    sequence start per row) packs the valid tokens instead. Both against SDPA with the mask."""
+    from flashmoe_science.integrations.transformers import fms_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    query = torch.randn(2, 4, 1, 16, device=DEVICE)
+    key, value = (torch.randn(2, 2, 10, 16, device=DEVICE) for _ in range(2))
+    mask = torch.ones(2, 8, dtype=torch.bool, device=DEVICE)
+    mask[0, :3] = False
+    if hole:
+        mask[1, 2:4] = False
+    clear_records()
+    out, _ = fms_attention_forward(module, query, key, value, mask)
+    ran_decode = last_launch("attention_decode_split") is not None
+    assert ran_decode != hole and (last_launch("attention_forward") is not None) == hole
+    keys_mask = torch.cat([mask, torch.zeros(2, 2, dtype=torch.bool, device=DEVICE)], 1)  # slots 8, 9: unfilled
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=keys_mask[:, None, None, :])
+    assert rel(out, ref.transpose(1, 2)) < 1e-5
 
 
 def test_experts_that_the_kernels_cannot_express_fall_back_with_one_warning(monkeypatch):

@@ -9,10 +9,11 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
 - Attention (`fms_attention_forward`): query, key, value (B, H, S, D) as transformers passes
   them, GQA without repeating K and V; causal (bottom-right) and sliding windows without a dense
   mask; a padded batch (the 2-D padding mask `flash_attention_mask` leaves when some token is
-  padding) through `flash_attention_varlen` on the unpadded tokens; decoding with the cache
-  (one query against the cached keys) through the split-KV kernels that `flash_attention_science`
-  picks for short queries. Dropout in training, attention sinks and dense masks raise a clear
-  error.
+  padding, or a static cache is) through `flash_attention_varlen` on the unpadded tokens;
+  decoding with the cache (one query against the cached keys) through the split-KV kernels that
+  `flash_attention_science` picks for short queries, and for a left-padded batch or a static
+  cache `flash_attention_with_kvcache` on the keys in place, each sequence from its first
+  unpadded slot. Dropout in training, attention sinks and dense masks raise a clear error.
 - Experts (`fms_experts_forward`): `fused_experts` on the module's own `gate_up_proj` (E, 2I, H:
   gate rows then up rows) and `down_proj` (E, H, I), forward and backward, with the model's
   router (its top-k ids and weights). Experts our kernels cannot express (transposed or
@@ -29,7 +30,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..attention import flash_attention_science, flash_attention_varlen
+from ..attention import flash_attention_science, flash_attention_varlen, flash_attention_with_kvcache
+from ..attention.configs import DECODE_MAX_BLOCK_M
 from ..moe import fused_experts
 
 NAME = "fms"
@@ -71,7 +73,30 @@ def fms_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
         raise _unsupported(f"a {attention_mask.dim()}-D {attention_mask.dtype} attention mask (only the 2-D padding "
                            f"mask of its '{NAME}' mask function)")
-    return _padded_attention(query, key, value, attention_mask, causal, options), None
+    out = _left_padded_short_queries(query, key, value, attention_mask, causal, options)
+    if out is None:
+        out = _padded_attention(query, key, value, attention_mask, causal, options)
+    return out, None
+
+
+def _left_padded_short_queries(query, key, value, mask, causal, options):
+    """Decoding a left-padded batch (the padding transformers asks for in generation), or any batch
+    with a static cache: the KV-cache kernels over the keys as they lie, each sequence from its
+    first unpadded slot (`cache_leftpad`) to the last token, no gather of the valid tokens. Only
+    for causal queries that fit one decode tile and need no gradient; None when the mask is not
+    left padding (a hole in it: the caller packs the valid tokens instead)."""
+    batch, heads_q, seqlen_q, dim = query.shape
+    seqlen_k = key.shape[2]
+    if (not causal or seqlen_q * (heads_q // key.shape[1]) > DECODE_MAX_BLOCK_M[query.element_size()]
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))):
+        return None
+    mask = mask[:, -seqlen_k:]
+    filled = mask.shape[1]  # shorter than the keys with a static cache: the slots past it are unfilled
+    leftpad = filled - mask.sum(1, dtype=torch.int32)
+    if not bool((mask == (torch.arange(filled, device=mask.device) >= leftpad[:, None])).all()):
+        return None
+    return flash_attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                        cache_seqlens=filled, cache_leftpad=leftpad, causal=True, **options)
 
 
 def _padded_attention(query, key, value, mask, causal, options):
