@@ -6,7 +6,7 @@
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep decode-sweep
 #           attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train model moe-sweep
-#           moe-bwd-sweep before-after
+#           moe-bwd-sweep before-after tc tc-sweep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
@@ -72,13 +72,17 @@ for stage in "${stages[@]}"; do
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;
-    tc)  # superconductor Tc, 5-fold, both splits; TC_DATA: SuperCon featurized here (flashmoe-science tc featurize
-         # --data ../shared/data/supercon/Supercon_data.csv --out out/data/supercon.pt: the GPU image has no
-         # pymatgen or matminer), carried along
-      for split in random cluster; do
+    tc)  # superconductor Tc, 5-fold, both splits, about 7 minutes each (one device call apiece: SPLITS="random");
+         # TC_DATA: SuperCon featurized here (flashmoe-science tc featurize --data
+         # ../shared/data/supercon/Supercon_data.csv --out out/data/supercon.pt: the GPU image has no pymatgen or
+         # matminer), carried along; TC_ARGS (default --superconductors-only, the protocol)
+      for split in ${SPLITS:-random cluster}; do
         python3 -m flashmoe_science tc train --data "${TC_DATA:-out/data/supercon.pt}" --split "$split" \
-          --out "$RESULTS/tc_$split" ${TC_ARGS:-} 2>&1 | tee -a "$RESULTS/tc.log"
+          --out "$RESULTS/tc_$split" ${TC_ARGS:---superconductors-only} 2>&1 | tee -a "$RESULTS/tc.log"
       done ;;
+    tc-sweep)  # Tc model options scored on one fold (bench/sweeps/tc.py)
+      python3 -m flashmoe_science.bench.sweeps.tc --data "${TC_DATA:-out/data/supercon.pt}" --out "$RESULTS" \
+        2>&1 | tee -a "$RESULTS/tc.log" ;;
     model)  # transformers models end to end; needs transformers >= 5.17 (carry its wheels: no network there)
       bench model ${MODEL_ARGS:-} ;;
     before-after)  # ROUNDS (2) times the throughput benchmarks from $BASELINE (an older tree: git archive REV | tar -x -C out/baseline,
@@ -99,5 +103,6 @@ for stage in "${stages[@]}"; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
-tar -czf "$OUT/results.tar.gz" -C "$RESULTS" .
+# The Tc fold models (model.pt, megabytes each) stay out: the device tool returns little.
+tar -czf "$OUT/results.tar.gz" --exclude=model.pt -C "$RESULTS" .
 exit $status
