@@ -386,9 +386,9 @@ def run_cross_validation(compounds, *, folds, split, epochs, device, backend="ke
 
             train_idx = [i for i, f in enumerate(fold_of) if f != fold]
             gbt = HistGradientBoostingRegressor(max_iter=500, learning_rate=0.05, random_state=seed)
-            encode, decode = TARGETS[(model_options or {}).get("target", "kelvin")]
-            gbt.fit(features[train_idx], encode(torch.tensor([compounds[i].tc for i in train_idx])).numpy())
-            base = decode(torch.tensor(gbt.predict(features[test_idx]))).clamp_min(0)
+            # The baseline regresses what the fold's model regresses.
+            gbt.fit(features[train_idx], model.encode(torch.tensor([compounds[i].tc for i in train_idx])).numpy())
+            base = model.decode(torch.tensor(gbt.predict(features[test_idx]))).clamp_min(0)
             row["baseline"] = metrics(base, true)
         else:
             base = None
