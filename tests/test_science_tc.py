@@ -64,6 +64,9 @@ def test_cluster_folds_keep_each_element_set_in_one_fold(tmp_path):
         assert fold_of_set.setdefault(c.element_set, f) == f
     sizes = [folds.count(f) for f in range(4)]
     assert min(sizes) > 0
+    for bad in (0, 1, 2.0, True):
+        with pytest.raises(ValueError, match="folds must be an int >= 2"):
+            tc.assign_folds(compounds, bad)
     random_folds = tc.assign_folds(compounds, 4, "random")
     assert max(random_folds.count(f) for f in range(4)) - min(random_folds.count(f) for f in range(4)) <= 1
 

@@ -123,6 +123,8 @@ def load_supercon(path, *, limit: int | None = None, on_error: str = "skip") -> 
 def assign_folds(compounds, folds: int, split: str = "random", seed: int = 0) -> list[int]:
     """A fold for each compound: at random, or ("cluster") by element set, whole sets per fold,
     balanced by size (largest sets first into the emptiest fold)."""
+    if not isinstance(folds, int) or isinstance(folds, bool) or folds < 2:
+        raise ValueError(f"folds must be an int >= 2 (each fold is held out once), got {folds!r}")
     rng = random.Random(seed)
     if split == "random":
         order = list(range(len(compounds)))
