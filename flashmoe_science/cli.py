@@ -121,7 +121,7 @@ def _tc(args) -> int:
         meta = {"data": str(args.data), "compounds": len(compounds), "split": args.split, "folds": args.folds,
                 "epochs": args.epochs, "lr": args.lr, "device": str(device), "seed": args.seed,
                 "superconductors_only": args.superconductors_only,
-                "model_options": models[0].options if models else {**options, "backend": backend}}
+                "model_options": models[0].options}
         if args.compare_backends:
             meta["speed"] = tc.compare_backends(compounds, device, model_options=options, seed=args.seed, table=table)
             for name, row in meta["speed"].items():

@@ -105,10 +105,10 @@ def kernel_kind(name: str) -> str:
 
 
 def _profile(step) -> dict:
-    """GPU milliseconds of one call of `step` per kernel kind, and its eight longest kernels."""
+    """GPU milliseconds of one call of `step` (already warmed up) per kernel kind, and its eight
+    longest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()

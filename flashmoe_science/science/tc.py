@@ -412,8 +412,7 @@ def write_outputs(out_dir, folds_rows, mean, models, predictions, meta) -> Path:
         writer = csv.writer(f)
         writer.writerow(["formula", "tc", "predicted_tc", "baseline_tc"])
         writer.writerows(predictions)
-    torch.save({"options": models[0].options if models else meta["model_options"],
-                "states": [m.state_dict() for m in models]}, out / "model.pt")
+    torch.save({"options": models[0].options, "states": [m.state_dict() for m in models]}, out / "model.pt")
     try:
         import matplotlib
         matplotlib.use("Agg")
