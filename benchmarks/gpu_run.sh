@@ -6,7 +6,7 @@
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep decode-sweep
 #           attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train model moe-sweep
-#           moe-bwd-sweep before-after tc tc-sweep
+#           moe-bwd-sweep before-after tc tc-sweep ep
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
@@ -72,6 +72,8 @@ for stage in "${stages[@]}"; do
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;
+    ep)  # expert parallelism over every GPU of the machine (starts itself under torchrun; EP_ARGS: more options)
+      bench ep ${EP_ARGS:-} ;;
     tc)  # superconductor Tc, 5-fold, both splits, about 7 minutes each (one device call apiece: SPLITS="random");
          # TC_DATA: SuperCon featurized here (flashmoe-science tc featurize --data
          # ../shared/data/supercon/Supercon_data.csv --out out/data/supercon.pt: the GPU image has no pymatgen or

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-BENCHMARKS = ("attention", "moe", "model")
+BENCHMARKS = ("attention", "moe", "model", "ep")
 
 
 def _use_interpreter_without_gpu(announce: bool) -> bool:
@@ -40,6 +40,8 @@ def _bench(args) -> int:
     partial_meta = {**environment(), "command": command, "partial": True}
     args.checkpoint = lambda rows: write_results(args.out, partial, rows, partial_meta)
     result = module.run(args)
+    if result is None:  # a rank other than 0 of a distributed benchmark, or its launcher: rank 0 writes
+        return 0
     meta = {**environment(), **result.get("meta", {}), "command": command}
     json_path = write_results(args.out, result["name"], result["rows"], meta)
     (json_path.parent / f"{partial}.json").unlink(missing_ok=True)
@@ -259,6 +261,7 @@ def main(argv=None) -> int:
 
         importlib.import_module(f"flashmoe_science.bench.{argv[1]}").add_arguments(op_parsers[argv[1]])
     args = parser.parse_args(argv)
+    args.argv = argv  # what `bench ep` passes on when it starts itself under torchrun
     return args.func(args)
 
 

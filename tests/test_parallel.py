@@ -4,8 +4,13 @@ outputs and input gradients equal, each rank's expert-weight gradients the slice
 layer's summed over ranks, router gradients summed over ranks equal; routings that send every
 token to one rank's experts, a rank with no tokens, and an expert count the group cannot split;
 the fixed-capacity mode, with room for every assignment and with assignments dropped, and
-traced whole by torch.compile (fullgraph); beside FSDP2 on the other layers."""
+traced whole by torch.compile (fullgraph); beside FSDP2 on the other layers. On a machine with
+two GPUs or more the same checks run over NCCL, one GPU a process (fp32, exact products). And
+`flashmoe-science bench ep --quick`, which starts itself under torchrun."""
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,7 +83,7 @@ def _check_against_full_layer(full, sharded, x, rank, world, reference=None):
     _close(_summed(sharded.shared_w1.grad), _summed(full.shared_w1.grad), "shared expert gradient")
 
 
-def _check_with_fsdp2(rank, world):
+def _check_with_fsdp2(rank, world, device):
     """The sharded layer between two Linear layers that FSDP2 (fully_shard) shards: the output
     of the unsharded model, and FSDP's gradients (averaged over ranks) those of the unsharded
     model averaged over ranks."""
@@ -91,13 +96,14 @@ def _check_with_fsdp2(rank, world):
     from flashmoe_science.parallel import shard_experts
 
     torch.manual_seed(0)
-    first, moe, last = torch.nn.Linear(32, 32), FlashMoELayer(32, 2 * world, 16, top_k=2), torch.nn.Linear(32, 32)
+    first, last = torch.nn.Linear(32, 32, device=device), torch.nn.Linear(32, 32, device=device)
+    moe = FlashMoELayer(32, 2 * world, 16, top_k=2, device=device)
     reference = torch.nn.Sequential(copy.deepcopy(first), moe, copy.deepcopy(last))
     model = torch.nn.Sequential(first, shard_experts(moe), last)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     for linear in (model[0], model[2]):
         fully_shard(linear, mesh=mesh)
-    x = torch.randn(6, 32)
+    x = torch.randn(6, 32, device=device)
     out, out_ref = model(x), reference(x)
     _close(out, out_ref, f"rank {rank} output under FSDP2")
     out.square().sum().backward()
@@ -106,9 +112,17 @@ def _check_with_fsdp2(rank, world):
         _close(ours.weight.grad.full_tensor(), _summed(theirs.weight.grad) / world, "FSDP2 gradient")
 
 
-def _worker(rank, world, store_path):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+def _worker(rank, world, store_path, backend):
+    if backend == "nccl":  # one GPU a process; every tensor below on it
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        torch.set_default_device(device)
+        dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                                device_id=device)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         from flashmoe_science import FlashMoELayer
         from flashmoe_science.parallel import shard_experts
@@ -119,6 +133,11 @@ def _worker(rank, world, store_path):
         torch.manual_seed(1 + rank)  # each rank its own tokens; the last of four has none
         tokens = 0 if world == 4 and rank == 3 else 5 + 3 * rank
         _check_against_full_layer(full, sharded, torch.randn(tokens, 32), rank, world)
+        # Dropless in chunks of 2 tokens (a pipeline of up to 6 chunks, the last one short)
+        _check_against_full_layer(full, shard_experts(full, chunk_tokens=2), torch.randn(tokens, 32), rank, world)
+        for bad in (0, 2.0, True):
+            with pytest.raises(ValueError, match="chunk_tokens"):
+                shard_experts(full, chunk_tokens=bad)
 
         with torch.no_grad():  # every token's top 2 among experts 0 and 1: all to rank 0
             for layer in (full, sharded):
@@ -158,14 +177,42 @@ def _worker(rank, world, store_path):
             x = torch.randn(6, 32, requires_grad=True)
             compiled(x).sum().backward()
             _close(compiled(x), full(x), f"rank {rank} compiled output")
-            _check_with_fsdp2(rank, world)
+            _check_with_fsdp2(rank, world, device)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_layer_matches_the_full_layer(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), "gloo"), nprocs=world, join=True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs or more")
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_layer_matches_the_full_layer_over_nccl(world, tmp_path):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), "nccl"), nprocs=world, join=True)
+
+
+def test_bench_ep_runs_under_torchrun(tmp_path):
+    """The benchmark starts itself under torchrun (two processes over gloo here), times every
+    implementation at EP 1 and 2, and checks each output against the float64 unsharded layer."""
+    from flashmoe_science.bench.ep import IMPLS
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run is the benchmark itself (benchmarks/gpu_run.sh ep)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "flashmoe_science", "bench", "ep", "--quick", "--repeats", "1",
+                           "--modes", "fwd+bwd", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    assert sorted((r["ep"], r["impl"]) for r in rows) == sorted((e, i) for e in (1, 2) for i in IMPLS)
+    for r in rows:
+        assert r["world"] == 2 and r["mode"] == "fwd+bwd" and r["tokens_per_s_per_gpu"] > 0, r
+        assert r["rel_error"] < 1e-5 and r["torch_rel_error"] < 1e-5, r
+        assert r.get("dropped", 0) == 0, r  # the tiny shape's routing fits 1.25 times the even share
 
 
 def test_shard_experts_needs_a_process_group_and_a_layer():
@@ -177,3 +224,21 @@ def test_shard_experts_needs_a_process_group_and_a_layer():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             shard_experts(FlashMoELayer(32, 4, 16, top_k=2))
+
+
+def _single_rank_worker(rank, store_path):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=0, world_size=1)
+    try:
+        from flashmoe_science import FlashMoELayer
+        from flashmoe_science.parallel import shard_experts
+
+        torch.manual_seed(0)
+        full = FlashMoELayer(32, 4, 16, top_k=2, num_shared_experts=1)
+        _check_against_full_layer(full, shard_experts(full), torch.randn(7, 32), 0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_of_one_runs_the_experts_in_place(tmp_path):
+    mp.spawn(_single_rank_worker, args=(str(tmp_path / "store"),), nprocs=1, join=True)

@@ -297,7 +297,48 @@ def render_model(name: str, result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+_EP_NAMES = {"ours": "ours", "ours_chunked": "ours, pipelined in chunks", "ours_capacity": "ours, fixed capacity",
+             "reference": "all_to_all + grouped_mm"}
+
+
+def render_ep(name: str, result: dict) -> str:
+    """Expert parallelism: per shape, mode and tokens per rank, each implementation's tokens/s per
+    GPU at every EP size (with the ratio to the reference at the same size) and its weak-scaling
+    efficiency at the largest, then the overlap profile of the forwards."""
+    rows, meta = result["rows"], result["meta"]
+    sizes = sorted({r["ep"] for r in rows})
+    out = [_source_line(name, meta).rstrip("\n") + f" _{meta.get('world')} GPUs, {meta.get('backend')}._", "",
+           "| shape | mode | tokens per rank | implementation | " + " | ".join(f"EP {e}, tokens/s per GPU" for e in sizes)
+           + f" | weak scaling EP 1 to {sizes[-1]} |", "|---|---|---|---|" + "---|" * (len(sizes) + 1)]
+    cases = dict.fromkeys((r["shape"], r["mode"], r["tokens_per_rank"]) for r in rows)
+    for shape, mode, tokens in cases:
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            by_ep = {r["ep"]: r for r in rows if (r["shape"], r["mode"], r["tokens_per_rank"], r["impl"])
+                     == (shape, mode, tokens, impl)}
+            if not by_ep:
+                continue
+            cells = []
+            for e in sizes:
+                r = by_ep.get(e)
+                ratio = f" ({r['speedup_vs_reference']:.2f}x)" if r and r.get("speedup_vs_reference") else ""
+                cells.append(f"{r['tokens_per_s_per_gpu'] / 1e3:.0f}k{ratio}" if r else "")
+            last = by_ep.get(sizes[-1], {})
+            out.append(f"| {shape} | {mode} | {tokens} | {_EP_NAMES.get(impl, impl)} | " + " | ".join(cells)
+                       + f" | {_fmt(last.get('weak_scaling'), 2)} |")
+    if meta.get("overlap"):
+        out += ["", "One forward profiled on rank 0 (torch.profiler): GPU time in NCCL kernels, in the other "
+                "kernels, and with both running at once, ms:", "",
+                "| shape | tokens per rank | EP | implementation | NCCL | compute | both at once |",
+                "|---|---|---|---|---|---|---|"]
+        for o in meta["overlap"]:
+            out.append(f"| {o['shape']} | {o['tokens_per_rank']} | {o['ep']} | {_EP_NAMES.get(o['impl'], o['impl'])} | "
+                       f"{o['nccl_ms']:.2f} | {o['compute_ms']:.2f} | {o['overlapped_ms']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
 def render(name: str, result: dict) -> str:
+    if name == "ep":
+        return render_ep(name, result)
     if name.startswith("attention_"):
         return render_attention(name, result)
     if name == "model":
