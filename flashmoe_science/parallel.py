@@ -4,18 +4,20 @@ Rank r of a group of W holds experts [r E/W, (r+1) E/W) of a `FlashMoELayer`; th
 the shared experts are replicated. A forward on each rank's own tokens:
 
 1. routes them with the replicated router (top-k ids over all E experts, weights);
-2. sorts the T x k (token, expert) assignments by the rank that owns the expert, exchanges the
-   counts (`all_to_all_single` of W integers: the one host synchronisation, as every dropless
-   token dispatcher has), then the token rows, and the owner's local expert ids;
+2. sends each token once to each rank that owns any of its experts (not once per expert), with
+   its k local expert ids there (-1 for another rank's) and weights, sorted by rank: first the
+   counts (`all_to_all_single` of a few integers: the one host synchronisation, as every
+   dropless token dispatcher has), then the rows and their routing;
 3. runs the received rows through this rank's experts with the fused grouped GEMMs
-   (`fused_experts`, one expert per row, its routing weight applied in fp32 in the down
-   projection's epilogue, as the single-GPU layer does);
-4. sends the weighted expert outputs back the same way and sums each token's k of them (fp32
+   (`fused_experts`: each row's local experts, their routing weights applied in fp32 in the down
+   projection's epilogue and summed, as the single-GPU layer does);
+4. sends that one row per (token, rank) back the same way and sums each token's rows (fp32
    accumulation), then adds the shared experts, computed while the tokens were in flight to
    their experts.
 
-With a fixed `capacity` the exchanges have sizes fixed by the shapes instead: no count exchange,
-no host synchronisation, assignments past the capacity dropped and counted.
+With a fixed `capacity` the exchanges (one row per assignment) have sizes fixed by the shapes
+instead: no count exchange, no host synchronisation, assignments past the capacity dropped and
+counted.
 
 The exchanges are torch.distributed's functional collectives (`all_to_all_single_autograd`,
 whose backward is the reverse exchange), so autograd runs through them: input gradients come back to the tokens' ranks,
@@ -54,7 +56,7 @@ def shard_experts(layer: FlashMoELayer, group=None, *, capacity: int | None = No
 
     chunk_tokens: None (one exchange each way a call), or dropless calls send their tokens in
     chunks of this many, pipelined: one chunk is computed while the next travels to its experts
-    and the one before comes back. Over NVLink (H100, 4 GPUs) chunks of 4096 tokens lose more
+    and the one before comes back. Over NVLink (H100s) chunks of 4096 tokens lose more
     in the smaller expert GEMMs than the overlap hides (`bench ep`, ours_chunked); slower links
     may gain.
 
@@ -137,12 +139,12 @@ class ExpertParallelMoE(nn.Module):
         return F.linear(gated_activation_torch(gate, up, self.activation), self.shared_w2)
 
     def _compute(self, rows, local_ids, weights):
-        """This rank's experts on the rows it received, each through one expert and scaled by its
-        routing weight (an id of -1 is an empty slot and gives zeros). The exchanged tensors are
+        """This rank's experts on the rows it received: each row through its local experts (ids
+        (n, m); -1 is a slot for another rank's expert, or empty, and adds nothing), scaled by
+        their routing weights (n, m) and summed. The exchanged tensors are
         waited for here, as the kernels read plain tensors."""
         rows, local_ids, weights = (_waited(t) for t in (rows, local_ids, weights))
-        return fused_experts(rows, self.w1, self.w2, weights.unsqueeze(1), local_ids.unsqueeze(1),
-                             activation=self.activation)
+        return fused_experts(rows, self.w1, self.w2, weights, local_ids, activation=self.activation)
 
     def _sorted_by_owner(self, ids):
         """The assignments sorted (stably) by the rank owning their expert: (the order, each
@@ -153,59 +155,79 @@ class ExpertParallelMoE(nn.Module):
         return order, owner_sorted, (ids[order] - owner_sorted * self.local_experts).to(torch.int32)
 
     def _dropless(self, tokens, ids, weights, meanwhile):
-        """(the tokens' expert outputs (T, H): each token's k weighted expert outputs, computed by
-        the ranks that own the experts, summed; what `meanwhile()` returns, called while the rows
-        are in flight: the collectives are asynchronous until their results are read).
+        """(the tokens' expert outputs (T, H), computed by the ranks that own the experts and
+        summed; what `meanwhile()` returns, called while the rows are in flight: the collectives
+        are asynchronous until their results are read).
 
-        With `chunk_tokens` the tokens go in chunks of that many (at most MAX_CHUNKS, larger ones
-        past that), a pipeline: chunk c + 2 is sent, and chunk c's results come back, while chunk c + 1 is
-        computed. Every chunk's sizes, and each rank's chunk count, are exchanged at once first:
-        one host synchronisation a call."""
+        Each token travels once to each rank that owns any of its k experts (not once per
+        expert), with its k local expert ids (-1 where another rank owns the expert) and weights;
+        the owner sums its share of the k weighted outputs before sending one row back. With
+        `chunk_tokens` the tokens go in chunks of that many (at most MAX_CHUNKS, larger ones past
+        that), a pipeline: chunk c + 2 is sent, and chunk c's results come back, while chunk
+        c + 1 is computed. Every chunk's sizes, and each rank's chunk count, are exchanged at
+        once first: one host synchronisation a call."""
         group = self.group or dist.group.WORLD
         k, world = self.top_k, self.world_size
         T = tokens.shape[0]
+        ids = ids.view(T, k)
+        weights = weights.view(T, k)
         size = max(self.chunk_tokens or T, -(-T // MAX_CHUNKS), 1)
-        chunks = []  # per chunk: (its tokens, send-order token of each row, each assignment's row, local ids, weights)
+        bounds = [(s, min(s + size, T)) for s in range(0, T, size)]
         counts = torch.zeros(world, 1 + MAX_CHUNKS, dtype=torch.int64, device=tokens.device)
-        counts[:, 0] = max(1, -(-T // size))  # this rank's chunks, then each chunk's rows per destination
-        for c, s in enumerate(range(0, T, size)):
-            e = min(s + size, T)
-            order, owner, local_ids = self._sorted_by_owner(ids[s * k:e * k])
-            chunks.append((tokens[s:e], torch.div(order, k, rounding_mode="floor"), torch.argsort(order), local_ids,
-                           weights[s * k:e * k][order]))
-            counts[:, 1 + c] = _count(owner, world)
+        counts[:, 0] = max(1, len(bounds))  # this rank's chunks, then each chunk's rows per destination
+        pairs = []  # per chunk: its (token, rank) pairs, rank-major, those present first
+        for c, (s, e) in enumerate(bounds):
+            owner = torch.div(ids[s:e], self.local_experts, rounding_mode="floor")
+            present = torch.zeros(e - s, world, dtype=torch.bool, device=tokens.device).scatter_(1, owner.long(), True)
+            pairs.append(torch.argsort(~present.t().flatten(), stable=True))
+            counts[:, 1 + c] = present.sum(0)
         received = funcol.all_to_all_single(counts.flatten(), None, None, group).view(world, 1 + MAX_CHUNKS)
         sent, received = torch.stack([counts, received]).tolist()  # one host synchronisation
         # Every rank runs as many exchanges as the rank with the most chunks; the others send nothing in theirs.
         num_chunks = max(row[0] for row in sent + received)
-        empty = (tokens[:0], ids[:0], ids[:0], ids[:0].to(torch.int32), weights[:0])
-        chunks += [empty] * (num_chunks - len(chunks))
         send_sizes = [[row[1 + c] for row in sent] for c in range(num_chunks)]
         recv_sizes = [[row[1 + c] for row in received] for c in range(num_chunks)]
         self.dropped_assignments = torch.zeros((), dtype=torch.int64, device=tokens.device)
+        chunks = [self._pair_payload(tokens[s:e], ids[s:e], weights[s:e], pairs[c][:sum(send_sizes[c])])
+                  for c, (s, e) in enumerate(bounds)]
+        no_pairs = torch.zeros(0, dtype=torch.int64, device=tokens.device)
+        chunks += [self._pair_payload(tokens[:0], ids[:0], weights[:0], no_pairs)] * (num_chunks - len(chunks))
 
         def send(c):
-            chunk_tokens, source, inverse, local_ids, chunk_weights = chunks[c]
-            rows = _Gather.apply(chunk_tokens, source, inverse, k)
-            # Local ids (< 256, exact in fp32) travel with the weights, whose gradient comes back.
-            routing = torch.stack([local_ids.to(chunk_weights.dtype), chunk_weights], 1)
+            rows, routing = chunks[c][:2]
             return (funcol.all_to_all_single_autograd(rows, recv_sizes[c], send_sizes[c], group),
                     funcol.all_to_all_single_autograd(routing, recv_sizes[c], send_sizes[c], group))
 
-        in_flight = [send(c) for c in range(min(2, len(chunks)))]
+        in_flight = [send(c) for c in range(min(2, num_chunks))]
         result = meanwhile()
         returned = []
-        for c in range(len(chunks)):
+        for c in range(num_chunks):
             rows, routing = in_flight[c]
             routing = _waited(routing)
-            computed = self._compute(rows, routing[:, 0].to(torch.int32), routing[:, 1])
+            computed = self._compute(rows, routing[:, :k].to(torch.int32), routing[:, k:])
             returned.append(funcol.all_to_all_single_autograd(computed, send_sizes[c], recv_sizes[c], group))
-            if c + 2 < len(chunks):
+            if c + 2 < num_chunks:
                 in_flight.append(send(c + 2))
         # Summed only now: reading a chunk's returned rows makes the computation wait for them.
-        outputs = [_Combine.apply(_waited(rows), source, inverse, k)
-                   for rows, (_, source, inverse, *_) in zip(returned, chunks)]
+        outputs = [_Combine.apply(_waited(rows), source, position)
+                   for rows, (_, _, source, position) in zip(returned, chunks)]
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), result
+
+    def _pair_payload(self, tokens, ids, weights, pairs):
+        """What one chunk sends, for its (token, rank) pairs `pairs` (indices rank * Tc + token,
+        rank-major): (the rows (n, H); the routing (n, 2k) fp32: each pair's k local expert ids, -1
+        where another rank owns the expert, then their weights, 0 there; each pair's token (n,);
+        each token's pair per rank (Tc, W), n where it has none)."""
+        T, world = tokens.shape[0], self.world_size
+        rank, source = torch.div(pairs, T, rounding_mode="floor"), pairs % max(T, 1)
+        ids = ids[source]
+        owned = torch.div(ids, self.local_experts, rounding_mode="floor") == rank.unsqueeze(1)
+        local_ids = torch.where(owned, ids - rank.unsqueeze(1) * self.local_experts, -1)
+        routing = torch.cat([local_ids.to(weights.dtype), torch.where(owned, weights[source], 0.0)], 1)
+        position = torch.full((world * T,), pairs.numel(), dtype=torch.int64, device=tokens.device)
+        position = position.index_copy(0, pairs, torch.arange(pairs.numel(), device=tokens.device))
+        position = position.view(world, T).t()
+        return _Gather.apply(tokens, source, position), routing, source, position
 
     def _fixed_capacity(self, tokens, ids, weights, meanwhile):
         """As `_dropless` (in one chunk), through buffers of `capacity` rows per rank pair: each
@@ -231,7 +253,7 @@ class ExpertParallelMoE(nn.Module):
         received_weights = funcol.all_to_all_single_autograd(slot_weights, None, None, group)
         received = funcol.all_to_all_single_autograd(send, None, None, group)
         result = meanwhile()
-        computed = self._compute(received, received_ids, received_weights)
+        computed = self._compute(received, _waited(received_ids).unsqueeze(1), _waited(received_weights).unsqueeze(1))
         returned = funcol.all_to_all_single_autograd(computed, None, None, group)
         back = torch.cat([returned, returned.new_zeros(1, self.hidden_size)])[slot]
         return back[torch.argsort(order)].view(-1, self.top_k, self.hidden_size).sum(1), result
@@ -254,38 +276,39 @@ def _count(values: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
 
 
-def _sum_rows(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-    """out[t] = sum over j < k of rows[inverse[t k + j]] (fp32 accumulation, in a fixed order)."""
-    return rows.index_select(0, inverse).view(-1, k, rows.shape[1]).sum(1)
+def _sum_rows(rows: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum over j of rows[position[t, j]] (fp32 accumulation, in a fixed order), a
+    position of rows.shape[0] adding nothing."""
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    return padded.index_select(0, position.reshape(-1)).view(*position.shape, rows.shape[1]).sum(1)
 
 
 class _Gather(torch.autograd.Function):
-    """The rows to send: rows[p] = tokens[source[p]], each token k times in send order (source =
-    order // k, inverse = argsort(order)). Its backward is the sum of each token's k rows, a
-    gather, not the scatter-add autograd would make of an index."""
+    """The rows to send: rows[p] = tokens[source[p]] (position: each token's rows, (T, m)). Its
+    backward sums each token's rows' gradients, a gather, not the scatter-add autograd would
+    make of an index."""
 
     @staticmethod
-    def forward(ctx, tokens, source, inverse, k):
-        ctx.save_for_backward(inverse)
-        ctx.k = k
+    def forward(ctx, tokens, source, position):
+        ctx.save_for_backward(position)
         return tokens.index_select(0, source)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        (inverse,) = ctx.saved_tensors
-        return _sum_rows(grad_rows, inverse, ctx.k), None, None, None
+        (position,) = ctx.saved_tensors
+        return _sum_rows(grad_rows, position), None, None
 
 
 class _Combine(torch.autograd.Function):
     """The tokens' outputs from the rows that came back: out[t] = sum over j of
-    rows[inverse[t k + j]]; its backward hands each row its token's gradient (`_Gather`'s forward)."""
+    rows[position[t, j]]; its backward hands each row its token's gradient (`_Gather`'s forward)."""
 
     @staticmethod
-    def forward(ctx, rows, source, inverse, k):
+    def forward(ctx, rows, source, position):
         ctx.save_for_backward(source)
-        return _sum_rows(rows, inverse, k)
+        return _sum_rows(rows, position)
 
     @staticmethod
     def backward(ctx, grad_out):
         (source,) = ctx.saved_tensors
-        return grad_out.index_select(0, source), None, None, None
+        return grad_out.index_select(0, source), None, None

@@ -15,7 +15,8 @@ a training job runs them). The per-rank work is the same at every e and the exch
 
 Implementations, same weights, same tokens:
 - ours: `parallel.shard_experts` of a `FlashMoELayer` (routing kernel; all_to_all of the counts,
-  then of the rows with their local expert ids and weights; `fused_experts`; all_to_all back;
+  then of the rows, each token once per rank owning any of its experts, with its local expert
+  ids and weights; `fused_experts`; all_to_all back;
   the shared experts computed while the rows travel); at EP 1 the unsharded layer's path, with
   no exchange;
 - ours_chunked: the same with the tokens pipelined in chunks of CHUNK_TOKENS (`chunk_tokens`):
