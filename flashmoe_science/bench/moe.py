@@ -15,7 +15,10 @@ Implementations, on the same inputs in one process:
 - gmm: routing in PyTorch, a stable sort of the token-expert pairs by expert, and
   `torch._grouped_mm` for both expert matmuls, then index_add back (torchtitan's path);
 - naive: the per-expert loop of most model code (index, two matmuls, index_add), which is
-  `reference.fused_experts_torch` after PyTorch routing.
+  `reference.fused_experts_torch` after PyTorch routing;
+- fp8 (only when asked, forward only): `fused_moe` with the same weights quantised to FP8 per
+  128 x 128 block (`moe.fp8`); its `rel_error` against the float64 layer of the unquantised
+  weights is the FP8 error itself, and its weight bandwidth counts one byte a weight.
 With --mode fwd+bwd each runs under autograd: ours through its custom ops and backward
 kernels, gmm through torch._grouped_mm's own backward, naive through PyTorch's.
 
@@ -44,6 +47,7 @@ import torch
 from ..device import interpreter_active
 from ..flops import moe_flops
 from ..moe import backward, configs, experts, fused_moe, moe_route
+from ..moe.fp8 import quantize_fp8_blockwise
 from ..moe.reference import (fused_experts_torch, fused_moe_grouped_mm, fused_moe_torch,
                              moe_route_torch)
 from . import common, moe_training
@@ -60,7 +64,8 @@ TINY_SHAPE = {"tiny": (8, 2, 64, 32)}
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
 QUICK_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")
 QUICK_TOKENS = (1, 4096)
-IMPLS = ("ours", "gmm", "naive")
+IMPLS = ("ours", "gmm", "naive", "fp8")
+DEFAULT_IMPLS = ("ours", "gmm", "naive")
 MODES = ("fwd", "fwd+bwd", "train")
 RESULT_NAMES = {"fwd": "moe", "fwd+bwd": "moe_fwd_bwd", "train": "moe_train"}
 FWD_BWD_TOKENS = (4096, 16384)
@@ -85,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=None,
                         help=f"token counts T (default: {' '.join(map(str, TOKENS))}; --sweep: "
                              f"{' '.join(map(str, SWEEP_TOKENS))}; fwd+bwd: {' '.join(map(str, FWD_BWD_TOKENS))})")
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to time")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),
+                        help="implementations to time (fp8, the forward only: our FP8 path on the same weights "
+                             "quantised per 128 x 128 block)")
     parser.add_argument("--sweep", action="store_true",
                         help="time candidate GEMM configurations and print the best per load bucket (with "
                              "--mode fwd+bwd: the backward GEMMs', per forward BLOCK_M)")
@@ -178,7 +185,7 @@ def run(args) -> dict:
         meta["copy_tbps"] = common.measure_copy_bandwidth()
     gmm_reason = _gmm_unavailable(device, dtype, with_backward) if "gmm" in args.impls else "not requested"
     meta["gmm"] = gmm_reason or "torch._grouped_mm" + (" with its autograd backward" if with_backward else "")
-    impls = [i for i in args.impls if i != "gmm" or gmm_reason is None]
+    impls = [i for i in args.impls if (i != "gmm" or gmm_reason is None) and (i != "fp8" or not with_backward)]
     generator = torch.Generator(device=device).manual_seed(0)
     rows = []
     if with_backward:
@@ -197,7 +204,9 @@ def run(args) -> dict:
                 torch.cuda.empty_cache()
             current, (w1, w2) = name, make_layer(E, H, I, dtype, device, generator)
             w64 = (w1.double(), w2.double())
-        rows += _bench_case(args, name, (E, k, H, I), T, impls, w1, w2, w64, meta["copy_tbps"], generator)
+            fp8_weights = (*quantize_fp8_blockwise(w1), *quantize_fp8_blockwise(w2)) if "fp8" in impls else None
+        rows += _bench_case(args, name, (E, k, H, I), T, impls, w1, w2, w64, meta["copy_tbps"], generator,
+                            fp8_weights)
     return {"name": RESULT_NAMES[args.mode], "rows": rows, "meta": meta}
 
 
@@ -267,13 +276,16 @@ def _bench_fwd_bwd_shape(args, name, shape, tokens, impls, device, dtype, genera
     return rows
 
 
-def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator):
+def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator, fp8_weights=None):
     E, k, H, I = shape
     device, dtype = w1.device, w1.dtype
     x = torch.randn(T, H, device=device, generator=generator).to(dtype)
     logits = torch.randn(T, E, device=device, generator=generator).to(dtype)
     fns = {"ours": lambda: fused_moe(x, w1, w2, logits, k), "gmm": lambda: fused_moe_grouped_mm(x, w1, w2, logits, k),
            "naive": lambda: naive_forward(x, w1, w2, logits, k)}
+    if fp8_weights is not None:
+        q1, s1, q2, s2 = fp8_weights
+        fns["fp8"] = lambda: fused_moe(x, q1, q2, logits, k, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
     # Correctness on the first rows, all with our routing (see the module docstring).
     S = min(T, REFERENCE_TOKENS)
     weights, ids = moe_route(logits[:S], k)
@@ -297,7 +309,7 @@ def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator):
             row["graph_ms"] = time_gpu(graph_replay(fns[impl]), warmup_ms=args.warmup, rep_ms=args.rep,
                                               repeats=args.repeats).median_ms
         if touched is not None:
-            weight_bytes = touched * 3 * H * I * w1.element_size()
+            weight_bytes = touched * 3 * H * I * (1 if impl == "fp8" else w1.element_size())
             row["touched_experts"] = touched
             row["weight_tbps"] = weight_bytes / (timing.median_ms * 1e-3) / 1e12
             row["weight_fraction_of_copy"] = row["weight_tbps"] / copy_tbps

@@ -238,6 +238,31 @@ def render_moe(name: str, result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_moe_fp8(name: str, result: dict) -> str:
+    """FP8 experts against our bf16 path on the same weights (and grouped-mm): times, the FP8
+    weight bandwidth at decode sizes, and each one's error against the float64 layer of the
+    unquantised weights."""
+    rows, meta = result["rows"], result["meta"]
+    grid: dict = {}
+    for r in rows:
+        grid.setdefault((r["shape"], r["E"], r["top_k"], r["H"], r["I"], r["T"]), {})[r["impl"]] = r
+    out = [_source_line(name, meta).rstrip("\n"), "",
+           f"Copy bandwidth measured in the same run: {meta.get('copy_tbps', float('nan')):.2f} TB/s.", "",
+           "| model (E, k, H, I) | T | bf16 ms | FP8 ms | FP8 / bf16 time | FP8 TFLOP/s | FP8 weight bandwidth | "
+           "grouped-mm ms | rel. error FP8 / bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+    for (shape, e, k, h, i, t), by in grid.items():
+        ours, fp8 = by.get("ours", {}), by.get("fp8", {})
+        if not fp8:
+            continue
+        frac = fp8.get("weight_fraction_of_copy")
+        bandwidth = f"{fp8['weight_tbps']:.2f} TB/s ({100 * frac:.0f}%)" if frac is not None else ""
+        ratio = f"{fp8['ms'] / ours['ms']:.2f}" if ours.get("ms") else ""
+        out.append(f"| {shape} ({e}, {k}, {h}, {i}) | {t} | {_fmt(ours.get('ms'), 3)} | {fp8['ms']:.3f} | {ratio} | "
+                   f"{_fmt(fp8.get('tflops'))} | {bandwidth} | {_fmt(by.get('gmm', {}).get('ms'), 3)} | "
+                   f"{fp8['rel_error']:.1e} / " + (f"{ours['rel_error']:.1e}" if ours.get("rel_error") else "") + " |")
+    return "\n".join(out) + "\n"
+
+
 def render_generic(name: str, result: dict) -> str:
     """A table of every column, for results files without a dedicated renderer."""
     rows = result["rows"]
@@ -343,6 +368,8 @@ def render(name: str, result: dict) -> str:
         return render_attention(name, result)
     if name == "model":
         return render_model(name, result)
+    if name == "moe_fp8":
+        return render_moe_fp8(name, result)
     if name in ("moe", "moe_fwd_bwd"):
         return render_moe(name, result)
     if name == "moe_train":

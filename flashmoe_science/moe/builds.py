@@ -9,8 +9,9 @@ from itertools import product
 
 from ..kernel_build import KernelBuild
 from .configs import (_TRITON_DTYPES, ACTIVATIONS, COMBINE_BLOCK_H, COMBINE_BLOCK_T, COMBINE_STAGES, COMBINE_WARPS,
-                      COUNT_TILE, DISPATCH_ROWS, DISPATCH_STAGES, DISPATCH_WARPS, MAX_EXPERTS, MAX_TOP_K, SORT_PAIRS,
-                      backward_configs, experts_configs)
+                      COUNT_TILE, DISPATCH_ROWS, DISPATCH_STAGES, DISPATCH_WARPS, FP8_GROUP, FP8_QUANTIZE_ROWS,
+                      MAX_EXPERTS,
+                      MAX_TOP_K, SORT_PAIRS, backward_configs, experts_configs, fp8_configs)
 
 
 def shipped_builds(capability: int):
@@ -102,6 +103,29 @@ def shipped_builds(capability: int):
                              row_tokens_ptr="*i32", expert_blocks_ptr="*i32"),
                         constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_gt"),
                         descriptors=tma and descriptors[label])
+    from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, quantize_groups_kernel
+
+    for cfg in fp8_configs(capability):  # FP8 weights (fp8.py): sm89 and newer
+        scales = dict(w1s_ptr="*fp32", hs_ptr="*fp32")
+        for activation, block_scales in product(ACTIVATIONS, (True, False)):
+            yield build(f"moe_fp8_gate_up {activation} block_scales={block_scales} {cfg}", gate_up_fp8_kernel,
+                        dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", w1_ptr="*fp8e4nv", hq_ptr="*fp8e4nv", **scales,
+                             **layout),
+                        dict(ACTIVATION=activation, BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m,
+                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP),
+                        cfg.gate_up_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
+        for dtype, block_scales in product(("fp16", "bf16"), (True, False)):
+            yield build(f"moe_fp8_down {dtype} block_scales={block_scales} {cfg}", down_fp8_kernel,
+                        dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w2_ptr="*fp8e4nv", w2s_ptr="*fp32", y_ptr=f"*{dtype}",
+                             weights_ptr="*fp32", **layout),
+                        dict(BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
+                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP),
+                        cfg.down_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
+    if capability >= 89:
+        for dtype in ("fp16", "bf16"):
+            yield build(f"moe_fp8_quantize {dtype}", quantize_groups_kernel,
+                        dict(x_ptr=f"*{dtype}", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+                        dict(BLOCK_T=FP8_QUANTIZE_ROWS, GROUP=FP8_GROUP), 4, 1, aligned=("H", "stride_xt"))
     tiles = dict(E_PAD=MAX_EXPERTS, PAIRS=SORT_PAIRS, TILE_B=DISPATCH_ROWS)
     for dtype in ("fp16", "bf16", "fp32"):
         for mode in ("none", "count", "full"):

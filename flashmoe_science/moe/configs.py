@@ -228,6 +228,36 @@ ACTIVATIONS = ("silu", "gelu")
 _TRITON_DTYPES = {2: ("fp16", "bf16"), 4: ("fp32",)}
 
 
+@dataclass(frozen=True)
+class FP8Config:
+    """Tiling of the FP8 expert GEMMs (`_kernels/fp8.py`): BLOCK_K and the gate/up BLOCK_N are the
+    128-column quantisation group; the down BLOCK_N is 128 too, so H and I multiples of 128 need
+    no mask."""
+
+    block_m: int
+    group_m: int
+    gate_up_warps: int
+    down_warps: int
+    num_stages: int
+    down_block_n: int = 128
+
+    def __str__(self) -> str:
+        return (f"BLOCK_M={self.block_m} GROUP_M={self.group_m} warps={self.gate_up_warps}/{self.down_warps} "
+                f"stages={self.num_stages}")
+
+
+# FP8[family]: ((most pairs per expert, config), ...) as EXPERTS. A gate/up stage holds a
+# BLOCK_M x 128 FP8 A tile and a 256 x 128 B tile (gate and up interleaved): 40 KB at BLOCK_M 64.
+# Each K step's product is scaled before it is added, so the gate/up kernel holds two BLOCK_M x
+# 256 fp32 tiles: eight warps from BLOCK_M 32, and BLOCK_M at most 64, keep ptxas from spilling.
+_FP8_LARGE = ((8, FP8Config(16, 1, 4, 4, 3)), (32, FP8Config(32, 1, 8, 4, 3)), (None, FP8Config(64, 8, 8, 4, 4)))
+_FP8_SMALL = _FP8_LARGE[:2] + ((None, FP8Config(64, 8, 8, 4, 3)),)
+# sm80 runs no FP8 on the GPU (the launcher refuses it); its entry serves Triton's interpreter.
+FP8 = {90: _FP8_LARGE, 89: _FP8_SMALL, 80: _FP8_LARGE}
+FP8_GROUP = 128  # FP8 scale groups: activations per row and 128 columns, weights per 128 x 128 block
+FP8_QUANTIZE_ROWS = 16  # token rows a program quantises (one group each)
+
+
 def family_of(capability: int) -> int:
     """The configuration family (90, 80 or 89) of a compute capability."""
     return DeviceInfo("", capability, 1, SHARED_MEMORY_PER_BLOCK[capability], 0).arch_family
@@ -293,3 +323,16 @@ def backward_configs(capability: int):
             for block_m, cfg in by_block_m.items():
                 yield element_size, block_m, cfg
 
+
+def fp8_config(device: DeviceInfo, num_tokens: int, top_k: int, num_experts: int) -> FP8Config:
+    """The FP8 tiling for a call on `device`, by its load (pairs per expert)."""
+    table = FP8[device.arch_family]
+    bound = load_bound(table, num_tokens, top_k, num_experts)
+    return next(cfg for b, cfg in table if b == bound)
+
+
+def fp8_configs(capability: int):
+    """Every FP8 config the dispatcher can pick on `capability` (none below sm89)."""
+    if capability < 89:
+        return
+    yield from dict.fromkeys(cfg for _, cfg in FP8[family_of(capability)])

@@ -28,7 +28,7 @@ import torch
 
 from ..device import check_runnable, info_for
 from ..launch import KernelLauncher, PlanCache
-from . import configs, routing
+from . import configs, fp8, routing
 from ._kernels.combine import combine_kernel
 from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
 
@@ -200,7 +200,8 @@ def _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activa
     return _EXPERTS_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1]))
 
 
-def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu"):
+def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", w1_scale=None, w2_scale=None,
+                  block_shape=None):
     """The experts of an MoE layer for given routing, in fused Triton kernels; differentiable in
     hidden_states, w1, w2 and topk_weights.
 
@@ -219,6 +220,12 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
             magnitude, drops that slot: it contributes nothing (as for experts held by another
             rank), never another expert's output.
         activation: "silu" (SwiGLU) or "gelu" (GeGLU, with the tanh approximation of GELU).
+        w1_scale, w2_scale, block_shape: FP8 weights (inference): w1 and w2 in
+            torch.float8_e4m3fn with float32 scales per 128 x 128 block (block_shape=(128, 128);
+            (E, 2I / 128, H / 128) and (E, H / 128, I / 128)) or per output channel
+            (block_shape=None; (E, 2I) and (E, H)), as vLLM's fused_moe takes them; hidden_states
+            float16 or bfloat16, quantised per token and 128 columns on the fly; H and I
+            multiples of 128; compute capability 8.9 or newer (see `fp8.py`). Not differentiable.
 
     E from 1 to 256, top_k from 1 to min(E, 8); H and I multiples of 16. The weights need unit
     stride along their last dimension to be read in place (otherwise they are copied first).
@@ -233,6 +240,12 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     what is stored and what is recomputed). Gradients of topk_weights come back in its dtype;
     dropped slots get zero. Other calls take the lean path, which stores nothing.
     """
+    if w1_scale is not None or w2_scale is not None or getattr(w1, "dtype", None) == fp8.FP8_DTYPE:
+        return _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, block_shape,
+                            activation)
+    if block_shape is not None:
+        raise ValueError("block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, "
+                         "w2_scale)")
     if routing.records_autograd(hidden_states, w1, w2, topk_weights):
         _check_experts_args(hidden_states, w1, w2, activation)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
@@ -256,6 +269,32 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         topk_ids = routing.ids_int32(topk_ids, plan.num_experts)
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
     return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)[0]
+
+
+def _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, block_shape, activation):
+    """`fused_experts` with FP8 weights (fp8.py): checked once per shape, scales every call."""
+    if routing.records_autograd(hidden_states, topk_weights):
+        raise RuntimeError("FP8 experts are for inference: call them under torch.no_grad() (hidden_states or "
+                           "topk_weights requires grad)")
+    try:
+        key = ("experts_fp8", tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
+               tensor_key(topk_ids), tensor_key(w1_scale), tensor_key(w2_scale),
+               None if block_shape is None else tuple(block_shape), activation)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks name it
+        fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
+        raise
+    if fp8._PLANS.get(key) is None:
+        fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
+        _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
+    plan = fp8.fp8_plan(hidden_states, w1, w2, w1_scale, w2_scale, topk_ids.shape[1], block_shape, activation, key)
+    if plan.num_tokens == 0:
+        return hidden_states.new_empty((0, plan.hidden))
+    x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    w1, w2, w1_scale, w2_scale = (t if t.stride(-1) == 1 else t.contiguous() for t in (w1, w2, w1_scale, w2_scale))
+    weights = topk_weights.to(torch.float32).contiguous()
+    ids = routing.ids_int32(topk_ids, plan.num_experts)
+    layout = routing.align_pairs(ids, plan.dispatch, plan.launch_key)
+    return fp8.run_fp8_experts(plan, x, w1, w2, w1_scale, w2_scale, weights, ids, layout, activation)
 
 
 def _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation):
@@ -305,7 +344,7 @@ def forward_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activati
 
 
 def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activation="silu",
-              scoring="softmax"):
+              scoring="softmax", w1_scale=None, w2_scale=None, block_shape=None):
     """A whole MoE layer (routing, dispatch, experts, combine) in fused Triton kernels.
 
     p = softmax(router_logits in fp32) (or sigmoid with scoring="sigmoid"); (w, e) = top_k(p);
@@ -319,6 +358,7 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
         top_k: experts per token, 1 <= top_k <= min(E, 8).
         renormalize, scoring: as in `moe_route` (ties between equal scores: lower expert first).
         activation: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation).
+        w1_scale, w2_scale, block_shape: FP8 weights for inference, as in `fused_experts`.
 
     Returns:
         out: (T, H) in hidden_states' dtype, deterministic; (0, H) when T = 0.
@@ -327,6 +367,12 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
     under torch.compile) the call is `moe_route` then `fused_experts`, each through its custom
     op, and router_logits receive the gradient of the routing weights (see `moe_route`).
     """
+    if w1_scale is not None or w2_scale is not None or getattr(w1, "dtype", None) == fp8.FP8_DTYPE:
+        weights, ids = routing.moe_route(router_logits, top_k, renormalize=renormalize, scoring=scoring)
+        return _fp8_experts(hidden_states, w1, w2, weights, ids, w1_scale, w2_scale, block_shape, activation)
+    if block_shape is not None:
+        raise ValueError("block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, "
+                         "w2_scale)")
     if routing.records_autograd(hidden_states, w1, w2, router_logits):
         _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
         weights, ids = torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)

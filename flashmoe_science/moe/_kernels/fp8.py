@@ -1,0 +1,160 @@
+"""The FP8 (e4m3) expert GEMMs, w8a8: the same expert-sorted layout and tiles as grouped_gemm.py,
+with both operands of every product in FP8 and fp32 accumulation.
+
+Scales (fp32): activations per row and group of GROUP = 128 columns (`quantize_groups_kernel`
+for the tokens; the gate/up epilogue for the intermediate h, whose column tile is one group);
+weights either per 128 x 128 block (w_scale (E, N / 128, K / 128), DeepSeek-V3's format, applied
+in the main loop: each K step of 128 is one block) or per output channel (w_scale (E, N), applied
+in the epilogue). A K step's product is scaled by its row scales (and block scales) before it is
+added to the accumulator.
+
+gate_up_fp8_kernel: h = act(x @ w1[e, :I].T) * (x @ w1[e, I:].T) with x gathered from the FP8
+tokens, written in FP8 with one scale per row and group (BLOCK_N = GROUP columns a program).
+down_fp8_kernel: y[p] = w[p] * (h[row] @ w2[e].T), in the output dtype, each row at its pair's
+slot for the combine (combine.py), as down_kernel.
+
+H and I are multiples of GROUP (the launcher checks), so no K or N mask is needed.
+"""
+import triton
+import triton.language as tl
+
+from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile
+from .offsets import wide_offset
+
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
+# The smallest scale: a row group of zeros (or a padding row) quantises to zeros, never 0 / 0.
+MIN_SCALE = tl.constexpr(1e-12)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (|v| <= FP8_MAX) rounded to the nearest e4m3 value, ties to even, in fp32: the grid step
+    is 2^(e - 3) for |v| in [2^e, 2^(e + 1)), 2^-9 below 2^-6 (subnormals). Converting the result
+    to FP8 is then exact; rounding here rather than in the conversion gives the same values on
+    every GPU and in Triton's interpreter, whose conversion drops the carry into the exponent
+    (124.3 -> 64)."""
+    step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0) - 3.0)
+    r = v / step
+    nearest = tl.floor(r + 0.5)
+    tie_to_odd = (nearest - r == 0.5) & (nearest - 2.0 * tl.floor(nearest * 0.5) == 1.0)
+    return tl.where(tie_to_odd, nearest - 1.0, nearest) * step
+
+
+@triton.jit
+def _quantize_rows(values, FP8_DTYPE: tl.constexpr):
+    """(values / s in FP8, s) with s = max |value| of each row / FP8_MAX."""
+    scale = tl.maximum(tl.max(tl.abs(values), axis=1) / FP8_MAX, MIN_SCALE)
+    return _round_to_e4m3(values / scale[:, None]).to(FP8_DTYPE), scale
+
+
+@triton.jit
+def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+    """x: (T, H), row stride stride_xt; q: (T, H) FP8 contiguous; s: (T, H / GROUP) fp32."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    ok = (rows < T)[:, None]
+    x = tl.load(x_ptr + wide_offset(rows, stride_xt)[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    q, scale = _quantize_rows(x, q_ptr.dtype.element_ty)
+    tl.store(q_ptr + wide_offset(rows, H)[:, None] + cols[None, :], q, mask=ok)
+    tl.store(s_ptr + wide_offset(rows, H // GROUP) + tl.program_id(1), scale, mask=rows < T)
+
+
+@triton.jit
+def _weight_scales(ws_ptr, expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALES: tl.constexpr, GROUP: tl.constexpr):
+    """The weight scales of output columns offs_n: of K block kb (block scales) or per channel."""
+    if BLOCK_SCALES:
+        return tl.load(ws_ptr + wide_offset(expert, stride_se) + (offs_n // GROUP) * stride_sn + kb)
+    return tl.load(ws_ptr + wide_offset(expert, stride_se) + offs_n * stride_sn)
+
+
+@triton.jit
+def _add_scaled(acc, product, a_scale, ws_ptr, expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALES: tl.constexpr,
+                GROUP: tl.constexpr):
+    """acc + one K block's product scaled by its row scales (and, with block scales, the weight
+    block's column scales)."""
+    if BLOCK_SCALES:
+        w_scale = _weight_scales(ws_ptr, expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALES, GROUP)
+        return acc + product * a_scale[:, None] * w_scale[None, :]
+    return acc + product * a_scale[:, None]
+
+
+@triton.jit
+def _channel_scaled(acc, ws_ptr, expert, stride_se, stride_sn, offs_n, BLOCK_SCALES: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """The accumulator times the per-channel weight scales (unchanged with block scales)."""
+    if BLOCK_SCALES:
+        return acc
+    return acc * _weight_scales(ws_ptr, expert, stride_se, stride_sn, offs_n, 0, BLOCK_SCALES, GROUP)[None, :]
+
+
+@triton.jit(do_not_specialize=["num_blocks_m", "top_k"])
+def gate_up_fp8_kernel(
+    xq_ptr, xs_ptr, w1_ptr, w1s_ptr, hq_ptr, hs_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    num_blocks_m, H, I, top_k,
+    stride_we, stride_wn, stride_se, stride_sn,
+    ACTIVATION: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr,
+):
+    """xq: (T, H) FP8, xs: (T, H / GROUP) fp32; w1: (E, 2I, H) FP8, strides (stride_we,
+    stride_wn, 1); w1s: (E, 2I / GROUP, H / GROUP) (block) or (E, 2I) (channel), strides
+    (stride_se, stride_sn, 1); hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP)."""
+    expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
+                                               BLOCK_M, GROUP, GROUP_M)
+    if expert < 0:
+        return
+    tokens = pairs // top_k
+    offs_k = tl.arange(0, GROUP)
+    x_ptrs = xq_ptr + wide_offset(tokens, H)[:, None] + offs_k[None, :]
+    xs_ptrs = xs_ptr + wide_offset(tokens, H // GROUP)
+    # Gate and up rows of the same columns interleaved in one B tile, as gate_up_kernel.
+    offs_c = tl.arange(0, 2 * GROUP)
+    w_rows = (offs_c % 2) * I + pid_n * GROUP + offs_c // 2
+    w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, w_rows, stride_wn, offs_k)
+    acc = tl.zeros((BLOCK_M, 2 * GROUP), dtype=tl.float32)
+    for kb in range(0, H // GROUP):
+        a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        a_scale = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
+        acc = _add_scaled(acc, tl.dot(a, tl.load(w_ptrs)), a_scale, w1s_ptr, expert, stride_se, stride_sn, w_rows, kb,
+                          BLOCK_SCALES, GROUP)
+        x_ptrs += GROUP
+        w_ptrs += GROUP
+    acc = _channel_scaled(acc, w1s_ptr, expert, stride_se, stride_sn, w_rows, BLOCK_SCALES, GROUP)
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, GROUP, 2)))
+    h, h_scale = _quantize_rows(_gated_activation(gate, up, ACTIVATION), hq_ptr.dtype.element_ty)
+    offs_n = pid_n * GROUP + tl.arange(0, GROUP)
+    tl.store(hq_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :], h)
+    tl.store(hs_ptr + wide_offset(rows, I // GROUP) + pid_n, h_scale)
+
+
+@triton.jit(do_not_specialize=["num_blocks_m"])
+def down_fp8_kernel(
+    hq_ptr, hs_ptr, w2_ptr, w2s_ptr, y_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    num_blocks_m, H, I,
+    stride_we, stride_wn, stride_se, stride_sn,
+    BLOCK_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr,
+):
+    """hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP) fp32; w2: (E, H, I) FP8,
+    strides (stride_we, stride_wn, 1); w2s: (E, H / GROUP, I / GROUP) (block) or (E, H)
+    (channel); weights: (T * top_k,) fp32; y: (T * top_k, H) contiguous, the output dtype.
+    BLOCK_N is a multiple of GROUP."""
+    expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
+                                               BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, GROUP)
+    h_ptrs = hq_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
+    hs_ptrs = hs_ptr + wide_offset(rows, I // GROUP)
+    w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, I // GROUP):
+        acc = _add_scaled(acc, tl.dot(tl.load(h_ptrs), tl.load(w_ptrs)), tl.load(hs_ptrs + kb), w2s_ptr, expert,
+                          stride_se, stride_sn, offs_n, kb, BLOCK_SCALES, GROUP)
+        h_ptrs += GROUP
+        w_ptrs += GROUP
+    acc = _channel_scaled(acc, w2s_ptr, expert, stride_se, stride_sn, offs_n, BLOCK_SCALES, GROUP)
+    route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
+    y = acc * route_weight[:, None]
+    tl.store(y_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None])

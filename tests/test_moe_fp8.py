@@ -1,0 +1,180 @@
+"""FP8 experts (w8a8, e4m3): `quantize_fp8_blockwise` / `quantize_fp8_per_channel` round trips,
+`fused_experts` / `fused_moe` with FP8 weights against a float64 reference computed from the same
+quantised values (tokens and the intermediate quantised per row and 128 columns, as the kernels
+do), the error against the unquantised layer reported, poisoned outputs, and bad scales refused.
+Under the interpreter here (small shapes, fp32 products of FP8 values, exact); on a GPU with FP8
+tensor cores (sm89+) at larger shapes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+from flashmoe_science.moe.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_blockwise,
+                                      quantize_fp8_per_channel)
+from flashmoe_science.moe.reference import fused_experts_torch, gated_activation_torch
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+FP8_GPU = GPU and torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8 = pytest.mark.skipif(GPU and not FP8_GPU, reason="FP8 tensor cores need sm89 or newer")
+
+
+def _rows_quantized(v: torch.Tensor) -> torch.Tensor:
+    """v (n, K) in float64 after the kernels' quantisation: per row and 128 columns, scale =
+    max |v| / 448, values rounded to e4m3 (ties to even)."""
+    groups = v.view(v.shape[0], -1, 128)
+    scale = (groups.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    return ((groups.float() / scale).to(FP8_DTYPE).double() * scale.double()).view_as(v)
+
+
+def _reference(x, q1, s1, q2, s2, block, weights, ids, activation="silu"):
+    """The FP8 layer in float64 from the same quantised values: tokens and h quantised per row
+    and 128 columns, weights dequantised."""
+    w1, w2 = dequantize_fp8(q1, s1, block).double(), dequantize_fp8(q2, s2, block).double()
+    xq = _rows_quantized(x.double())
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    inter = w1.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate_up = xq[t] @ w1[e].T
+            h = gated_activation_torch(gate_up[:inter], gate_up[inter:], activation)
+            out[t] += weights[t, j].double() * (_rows_quantized(h[None])[0] @ w2[e].T)
+    return out
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def _layer(T, E, H, I, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w1 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    logits = torch.randn(T, E, generator=g)
+    return [t.to(DEVICE) for t in (x, w1, w2, logits)]
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+def test_quantize_round_trip(block):
+    w = torch.randn(3, 200, 300) * torch.logspace(-3, 3, 300)  # columns across six decades
+    q, s = quantize_fp8_blockwise(w) if block else quantize_fp8_per_channel(w)
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32
+    assert s.shape == ((3, 2, 3) if block else (3, 200))
+    back = dequantize_fp8(q, s, block)
+    # e4m3 keeps 3 mantissa bits: each value within half a step (1/16 relative) of its own,
+    # or within half the smallest step of its scale
+    tile_scale = s.repeat_interleave(128, -2).repeat_interleave(128, -1)[:, :200, :300] if block else s[..., None]
+    assert ((back - w).abs() <= w.abs() / 16 + tile_scale * 2.0**-10).all()
+    assert (q.float().abs() <= FP8_MAX).all()
+
+
+def test_quantize_refuses_what_it_cannot_scale():
+    with pytest.raises(ValueError, match="block"):
+        quantize_fp8_blockwise(torch.randn(4, 256, 256), block=(64, 64))
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_fp8_blockwise(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(TypeError, match="float"):
+        quantize_fp8_per_channel(torch.ones(4, 4, dtype=torch.int32))
+
+
+@needs_fp8
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+@pytest.mark.parametrize("T,E,H,I,k,activation", [(5, 4, 256, 128, 2, "silu"), (3, 8, 128, 256, 3, "gelu")]
+                         + ([(4096, 64, 2048, 768, 8, "silu")] if GPU else []))
+def test_fp8_experts_match_the_quantised_reference(block, T, E, H, I, k, activation):
+    x, w1, w2, logits = _layer(T, E, H, I, k)
+    weights, ids = moe_route(logits, k)
+    quantize = quantize_fp8_blockwise if block else quantize_fp8_per_channel
+    (q1, s1), (q2, s2) = quantize(w1), quantize(w2)
+    xb = x.to(torch.bfloat16)
+    rows = slice(0, 64)  # the float64 loop on the first rows
+    with torch.no_grad():
+        out = fused_experts(xb, q1, q2, weights, ids, activation=activation, w1_scale=s1, w2_scale=s2,
+                            block_shape=block)
+        out_moe = fused_moe(xb, q1, q2, logits, k, activation=activation, w1_scale=s1, w2_scale=s2, block_shape=block)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert torch.equal(out, out_moe)
+    ref = _reference(xb[rows], q1, s1, q2, s2, block, weights[rows], ids[rows], activation)
+    # bf16 output rounding, plus the intermediate's rounding: fp32 and float64 h differ in the last
+    # bits, so a few entries round to the neighbouring e4m3 value (a 1/16 step) in the kernel
+    bf16_rounding = _rel(ref.to(torch.bfloat16), ref)
+    assert _rel(out[rows], ref) <= 2 * bf16_rounding + 6e-3
+    unquantised = fused_experts_torch(x[rows].double(), w1.double(), w2.double(), weights[rows].double(), ids[rows],
+                                      activation=activation)
+    assert _rel(out[rows], unquantised) < 0.12  # the FP8 error of the layer itself (about 6 % here)
+
+
+@needs_fp8
+def test_fp8_experts_write_every_row_and_skip_dropped_slots():
+    x, w1, w2, logits = _layer(7, 4, 128, 128, 2, seed=1)
+    weights, ids = moe_route(logits, 2)
+    ids = ids.clone()
+    ids[3] = -1  # token 3 routed nowhere: zeros
+    ids[5, 1] = 99
+    (q1, s1), (q2, s2) = quantize_fp8_blockwise(w1), quantize_fp8_blockwise(w2)
+    with torch.no_grad():
+        out = fused_experts(x.to(torch.bfloat16), q1, q2, weights, ids, w1_scale=s1, w2_scale=s2,
+                            block_shape=(128, 128))
+    assert torch.isfinite(out).all()
+    assert (out[3] == 0).all()
+    kept = ids.clone().masked_fill((ids < 0) | (ids >= 4), 0)
+    only_first = fused_experts(x.to(torch.bfloat16)[5:6], q1, q2, weights[5:6, :1], kept[5:6, :1], w1_scale=s1,
+                               w2_scale=s2, block_shape=(128, 128))
+    assert torch.equal(out[5:6], only_first)
+    empty = fused_experts(x.to(torch.bfloat16)[:0], q1, q2, weights[:0], ids[:0], w1_scale=s1, w2_scale=s2,
+                          block_shape=(128, 128))
+    assert empty.shape == (0, 128)
+
+
+@needs_fp8
+def test_fp8_experts_refuse_bad_scales_and_gradients():
+    x, w1, w2, logits = _layer(4, 4, 128, 128, 2)
+    weights, ids = moe_route(logits, 2)
+    (q1, s1), (q2, s2) = quantize_fp8_blockwise(w1), quantize_fp8_blockwise(w2)
+    xb = x.to(torch.bfloat16)
+
+    def call(**kwargs):
+        args = dict(w1_scale=s1, w2_scale=s2, block_shape=(128, 128)) | kwargs
+        with torch.no_grad():
+            return fused_experts(xb, q1, q2, weights, ids, **args)
+
+    call()  # a cached plan: the checks below run on the fast path too
+    with pytest.raises(ValueError, match="w1_scale has shape"):
+        call(w1_scale=s1[:, :1])
+    with pytest.raises(TypeError, match="w2_scale must be float32"):
+        call(w2_scale=s2.double())
+    with pytest.raises(ValueError, match="w2_scale has a non-finite"):
+        call(w2_scale=torch.where(s2 > 0, float("inf"), s2))
+    with pytest.raises(ValueError, match="w1_scale has a non-finite, zero"):
+        call(w1_scale=torch.zeros_like(s1))
+    with pytest.raises(ValueError, match="per output channel"):
+        call(block_shape=None)
+    with pytest.raises(ValueError, match="block_shape must be"):
+        call(block_shape=(64, 64))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fused_experts(xb, q1, w2.to(torch.bfloat16), weights, ids, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        fused_experts(x, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
+    with pytest.raises(ValueError, match="block_shape applies to FP8"):
+        fused_experts(xb, w1.to(torch.bfloat16), w2.to(torch.bfloat16), weights, ids, block_shape=(128, 128))
+    with pytest.raises(RuntimeError, match="inference"):
+        fused_experts(xb.requires_grad_(), q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
+    (qa, sa), (qb, sb) = (quantize_fp8_per_channel(torch.randn(shape, device=DEVICE)) for shape in ((2, 256, 96),
+                                                                                                      (2, 96, 128)))
+    with pytest.raises(ValueError, match="multiples of 128"):  # H = 96
+        fused_experts(torch.randn(3, 96, device=DEVICE, dtype=torch.bfloat16), qa, qb, weights[:3], ids[:3] % 2,
+                      w1_scale=sa, w2_scale=sb)
+
+
+@needs_fp8
+def test_a_scale_changed_in_place_is_checked_again():
+    x, w1, w2, logits = _layer(4, 4, 128, 128, 2)
+    weights, ids = moe_route(logits, 2)
+    (q1, s1), (q2, s2) = quantize_fp8_per_channel(w1), quantize_fp8_per_channel(w2)
+    with torch.no_grad():
+        fused_experts(x.to(torch.bfloat16), q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
+        s2[0, 0] = float("nan")
+        with pytest.raises(ValueError, match="w2_scale has a non-finite"):
+            fused_experts(x.to(torch.bfloat16), q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
