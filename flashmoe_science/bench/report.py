@@ -362,7 +362,7 @@ def render_ep(name: str, result: dict) -> str:
 
 
 def render(name: str, result: dict) -> str:
-    if name == "ep":
+    if name.startswith("ep"):
         return render_ep(name, result)
     if name.startswith("attention_"):
         return render_attention(name, result)
@@ -415,8 +415,9 @@ def _load(results_dir, name):
 def render_headline(results_dir) -> str:
     """One short table: attention forward and backward (bf16, D = 128, causal) against the fastest
     PyTorch backend in the same run, the MoE layer forward and forward+backward against
-    torch._grouped_mm, and transformers models' training step and prefill against transformers'
-    sdpa + grouped_mm, each row naming its results file."""
+    torch._grouped_mm, transformers models' training step and prefill against transformers'
+    sdpa + grouped_mm, and the expert-parallel layer against torchtitan's dispatcher, each row
+    naming its results file."""
     out = ["| what | shape | ours | PyTorch's best in the same run | ours / theirs | file |",
            "|---|---|---|---|---|---|"]
     gpus = []
@@ -468,6 +469,18 @@ def render_headline(results_dir) -> str:
                            + " / ".join(f"{ours[k]:.0f}" for k in keys) + " tokens/s | "
                            + " / ".join(f"{theirs[k]:.0f}" for k in keys) + " (sdpa + grouped_mm) | "
                            + " / ".join(f"{ours[k] / theirs[k]:.2f}x" for k in keys) + " | `model.json` |")
+    result = _load(results_dir, "ep_4gpu")
+    if result is not None:
+        gpus.append(result["meta"].get("gpu") or "CPU")
+        rows = [r for r in result["rows"] if r["mode"] == "fwd+bwd" and r["tokens_per_rank"] == 16384]
+        top = max((r["ep"] for r in rows), default=None)
+        by = {r["impl"]: r for r in rows if r["ep"] == top}
+        if "ours" in by and "reference" in by:
+            ours, theirs = by["ours"], by["reference"]
+            out.append(f"| expert-parallel MoE layer forward+backward | {ours['shape']}, EP {top}, 16384 tokens a GPU | "
+                       f"{ours['tokens_per_s_per_gpu'] / 1e3:.0f}k tokens/s per GPU | "
+                       f"{theirs['tokens_per_s_per_gpu'] / 1e3:.0f}k (all_to_all + grouped_mm) | "
+                       f"{ours['tokens_per_s_per_gpu'] / theirs['tokens_per_s_per_gpu']:.2f}x | `ep_4gpu.json` |")
     return f"_{', '.join(dict.fromkeys(gpus))}; bf16._\n\n" + "\n".join(out) + "\n"
 
 
