@@ -63,6 +63,8 @@ def shard_experts(layer: FlashMoELayer, group=None, *, capacity: int | None = No
     A group of one rank runs the experts in place, as the unsharded layer does (no exchange)."""
     if not isinstance(layer, FlashMoELayer):
         raise TypeError(f"layer must be a FlashMoELayer, got {type(layer).__name__}")
+    if layer.is_fp8:
+        raise ValueError("shard_experts takes a layer with fp16, bf16 or fp32 experts, not FP8 ones (to_fp8)")
     if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
         raise ValueError(f"capacity must be None (dropless) or an int >= 1, got {capacity!r}")
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool)

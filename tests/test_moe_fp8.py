@@ -178,3 +178,43 @@ def test_a_scale_changed_in_place_is_checked_again():
         s2[0, 0] = float("nan")
         with pytest.raises(ValueError, match="w2_scale has a non-finite"):
             fused_experts(x.to(torch.bfloat16), q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
+
+
+@needs_fp8
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+def test_layer_to_fp8_runs_the_fp8_experts(block):
+    from flashmoe_science import FlashMoELayer
+
+    torch.manual_seed(0)
+    layer = FlashMoELayer(128, 4, 128, top_k=2, num_shared_experts=1, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(6, 128, device=DEVICE, dtype=torch.bfloat16)
+    w1, w2 = layer.w1.detach().clone(), layer.w2.detach().clone()
+    assert layer.to_fp8(block) is layer and layer.is_fp8
+    assert layer.w1.dtype == FP8_DTYPE and "w1" not in dict(layer.named_parameters())
+    assert set(layer.state_dict()) >= {"w1", "w2", "w1_scale", "w2_scale", "router.weight", "shared_w1"}
+    with torch.no_grad():
+        out = layer(x)
+        weights, ids = moe_route(layer.router(x), 2)
+        experts = fused_experts(x, layer.w1, layer.w2, weights, ids, w1_scale=layer.w1_scale,
+                                w2_scale=layer.w2_scale, block_shape=block)
+    gate, up = F.linear(x, layer.shared_w1).chunk(2, dim=-1)
+    assert torch.equal(out, experts + F.linear(gated_activation_torch(gate, up), layer.shared_w2))
+    # against the unquantised layer in float64 (bf16 products are wrong in the interpreter)
+    dense = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+    dense += F.linear(gated_activation_torch(gate.double(), up.double()), layer.shared_w2.double())
+    assert _rel(out, dense) < 0.12 and layer.tokens_per_expert.sum() == 12
+    # the quantised weights are the quantisation of the layer's own
+    (q1, s1) = (quantize_fp8_blockwise if block else quantize_fp8_per_channel)(w1)
+    assert torch.equal(layer.w1.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(layer.w1_scale, s1)
+    with pytest.raises(RuntimeError, match="inference only"):
+        layer(x)
+    with pytest.raises(RuntimeError, match="FP8 already"):
+        layer.to_fp8()
+    with pytest.raises(RuntimeError, match="before to_fp8"):
+        layer.load_hf_experts({})
+    fresh = FlashMoELayer(128, 4, 128, top_k=2, num_shared_experts=1, device=DEVICE, dtype=torch.bfloat16)
+    fresh.to_fp8(block).load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(x), out)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        FlashMoELayer(64, 4, 128).to_fp8()

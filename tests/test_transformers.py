@@ -186,3 +186,53 @@ def test_bench_model_runs_tiny_configurations_through_the_interpreter():
     assert [r["impl"] for r in result["rows"]] == ["ours", "eager"]
     assert all("error" not in r and r["train_tokens_per_s"] > 0 for r in result["rows"])
     assert "qwen3-30b-a3b ours" in model.summarize(result)
+
+
+def _fp8_experts_module(block_size):
+    """transformers' FP8 experts module (FineGrainedFP8 checkpoints) of a tiny Qwen3-MoE config,
+    dispatched to "fms", with weights quantised from random ones."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if not hasattr(fp8, "FP8ExpertsInterface"):
+        pytest.skip(f"transformers {transformers.__version__} has no FP8 experts interface")
+    from transformers.integrations.moe import use_experts_implementation
+
+    from flashmoe_science.moe.fp8 import quantize_fp8_blockwise
+
+    register()
+    config = transformers.Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=128, num_experts=4,
+                                         num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, intermediate_size=256, vocab_size=32)
+    config._experts_implementation = "fms"
+    cls = use_experts_implementation(experts_class=fp8.FP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS,
+                                     has_bias=False, has_gate=True)
+    module = cls(config=config, block_size=block_size).to(DEVICE)
+    torch.manual_seed(0)
+    for name, shape in (("gate_up_proj", (4, 256, 128)), ("down_proj", (4, 128, 128))):
+        q, s = quantize_fp8_blockwise(torch.randn(shape, device=DEVICE) / 128**0.5)
+        getattr(module, name).data = q
+        getattr(module, f"{name}_scale_inv").data = s
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 tensor cores need sm89 or newer")
+def test_fp8_checkpoint_experts_run_our_fp8_kernels():
+    from flashmoe_science.integrations.transformers import _fp8_fallback_reason
+    from flashmoe_science.moe import fused_experts, moe_route
+
+    module = _fp8_experts_module((128, 128))
+    x = torch.randn(6, 128, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids = moe_route(torch.randn(6, 4, device=DEVICE), 2)
+    with torch.no_grad():
+        assert _fp8_fallback_reason(module, x, 2) is None
+        clear_records()
+        out = module(x, ids, weights)
+        assert last_launch("moe_fp8_down") is not None
+        expected = fused_experts(x, module.gate_up_proj, module.down_proj, weights, ids,
+                                 w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv,
+                                 block_shape=(128, 128))
+    assert torch.equal(out, expected)
+    module.block_size = None  # per-tensor scales: transformers' own FP8 path
+    assert "block_size=None" in _fp8_fallback_reason(module, x, 2)
+    module.block_size = (128, 128)
+    assert "training" in _fp8_fallback_reason(module, x.requires_grad_(), 2)

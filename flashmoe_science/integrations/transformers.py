@@ -49,6 +49,11 @@ def register() -> None:
     AttentionInterface.register(NAME, fms_attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     ExpertsInterface.register(NAME, fms_experts_forward)
+    try:  # FP8 checkpoints (FineGrainedFP8 quantisation; transformers with FP8 experts)
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        return
+    FP8ExpertsInterface.register(NAME, fms_fp8_experts_forward)
 
 
 def _unsupported(what: str) -> NotImplementedError:
@@ -162,3 +167,52 @@ def fms_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index,
                          activation=_ACTIVATIONS[self.config.hidden_act])
+
+
+def _fp8_fallback_reason(module, hidden_states, top_k: int) -> str | None:
+    """Why our FP8 kernels cannot run this FP8 experts module (transformers' FP8Experts), or None."""
+    from ..moe.fp8 import FP8_DTYPE, GROUP
+
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        return "training (our FP8 experts are for inference)"
+    if not getattr(module, "has_gate", True) or getattr(module, "has_bias", False):
+        return "experts without a gate or with biases"
+    if any(getattr(module, name, None) is not None for name in ("swiglu_alpha", "limit", "gate_softcap", "up_softcap")):
+        return "a clamped or soft-capped gate"
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        return "static activation scales"
+    block = getattr(module, "block_size", None)
+    if block is None or tuple(block) != (GROUP, GROUP):
+        return f"block_size={block} (ours: 128 x 128 blocks)"
+    if module.gate_up_proj.dtype != FP8_DTYPE or module.gate_up_proj_scale_inv.dtype != torch.float32:
+        return f"weights {module.gate_up_proj.dtype} with {module.gate_up_proj_scale_inv.dtype} scales"
+    act = getattr(module.config, "hidden_act", None)
+    if act not in _ACTIVATIONS:
+        return f"activation {act!r} (ours: {', '.join(sorted(_ACTIVATIONS))})"
+    experts, inner2, hidden = module.gate_up_proj.shape
+    if hidden_states.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {hidden_states.dtype}"
+    if experts > 256 or hidden % GROUP or (inner2 // 2) % GROUP or top_k > 8:
+        return f"E={experts}, H={hidden}, I={inner2 // 2}, top_k={top_k} (ours: E <= 256, H and I multiples of 128, " \
+               "top_k <= 8)"
+    if hidden_states.is_cuda and torch.cuda.get_device_capability(hidden_states.device) < (8, 9):
+        return "a GPU without FP8 tensor cores"
+    return None
+
+
+def fms_fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' FP8 experts (FineGrainedFP8 checkpoints: float8_e4m3fn gate_up_proj and
+    down_proj with float32 `*_scale_inv` per 128 x 128 block, DeepSeek-V3's format) on our FP8
+    kernels; anything else runs transformers' FP8 grouped_mm experts, with a warning."""
+    reason = _fp8_fallback_reason(self, hidden_states, top_k_index.shape[1])
+    if reason is not None:
+        from transformers.integrations.finegrained_fp8 import fp8_grouped_mm_experts_forward
+
+        if (type(self), "fp8") not in _WARNED:
+            _WARNED.add((type(self), "fp8"))
+            warnings.warn(f"experts_implementation='{NAME}': {type(self).__name__} runs transformers' FP8 grouped_mm "
+                          f"experts ({reason} is not supported by the fused FP8 kernels)", stacklevel=2)
+        return fp8_grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index,
+                         activation=_ACTIVATIONS[self.config.hidden_act], w1_scale=self.gate_up_proj_scale_inv,
+                         w2_scale=self.down_proj_scale_inv, block_shape=(128, 128))

@@ -105,6 +105,10 @@ class FlashMoELayer(nn.Module):
         self.shared_w1 = nn.Parameter(torch.empty(2 * shared_dim, hidden_size, **factory)) if shared_dim else None
         self.shared_w2 = nn.Parameter(torch.empty(hidden_size, shared_dim, **factory)) if shared_dim else None
         self.aux_loss = self.z_loss = self.tokens_per_expert = None
+        # FP8 experts (to_fp8): the weights' scales, and their blocks (None: per output channel)
+        self.register_buffer("w1_scale", None)
+        self.register_buffer("w2_scale", None)
+        self.fp8_block_shape, self.is_fp8 = None, False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -121,7 +125,15 @@ class FlashMoELayer(nn.Module):
             raise ValueError(f"x must be (..., hidden_size = {self.hidden_size}), got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.hidden_size)
         w1, w2 = self.w1, self.w2
-        if torch.is_autocast_enabled(x.device.type):
+        fp8 = {}
+        if self.is_fp8:
+            if torch.is_grad_enabled():
+                raise RuntimeError("this FlashMoELayer holds FP8 expert weights (to_fp8), which run for inference "
+                                   "only: call it under torch.no_grad() or torch.inference_mode()")
+            fp8 = dict(w1_scale=self.w1_scale, w2_scale=self.w2_scale, block_shape=self.fp8_block_shape)
+            if torch.is_autocast_enabled(x.device.type):
+                tokens = tokens.to(torch.get_autocast_dtype(x.device.type))
+        elif torch.is_autocast_enabled(x.device.type):
             compute_dtype = torch.get_autocast_dtype(x.device.type)
             tokens, w1, w2 = tokens.to(compute_dtype), w1.to(compute_dtype), w2.to(compute_dtype)
         elif x.dtype != w1.dtype:
@@ -129,7 +141,7 @@ class FlashMoELayer(nn.Module):
                             "(e.g. layer.to(x.dtype)) or run under torch.autocast")
         logits = self.router(tokens)
         weights, ids = moe_route(logits, self.top_k, renormalize=self.renormalize)
-        out = fused_experts(tokens, w1, w2, weights, ids, activation=self.activation)
+        out = fused_experts(tokens, w1, w2, weights, ids, activation=self.activation, **fp8)
         if self.shared_w1 is not None:
             gate, up = F.linear(tokens, self.shared_w1).chunk(2, dim=-1)
             out = out + F.linear(gated_activation_torch(gate, up, self.activation), self.shared_w2)
@@ -138,9 +150,38 @@ class FlashMoELayer(nn.Module):
         return out.reshape(x.shape)
 
     def extra_repr(self) -> str:
+        fp8 = f", fp8 block_shape={self.fp8_block_shape}" if self.is_fp8 else ""
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, expert_dim={self.expert_dim}, "
                 f"top_k={self.top_k}, renormalize={self.renormalize}, activation={self.activation!r}, "
-                f"num_shared_experts={self.num_shared_experts}")
+                f"num_shared_experts={self.num_shared_experts}{fp8}")
+
+    @torch.no_grad()
+    def to_fp8(self, block_shape=(128, 128)) -> "FlashMoELayer":
+        """Quantises the expert weights to FP8 (e4m3) for inference, in place, and returns the
+        layer: w1 and w2 become float8_e4m3fn buffers with float32 scales `w1_scale`, `w2_scale`
+        per 128 x 128 block (block_shape=(128, 128), DeepSeek-V3's format) or per output channel
+        (block_shape=None), as `quantize_fp8_blockwise` / `quantize_fp8_per_channel` make them;
+        the router and shared experts keep their dtype. The layer then runs `fused_experts`' FP8
+        path (compute capability 8.9 or newer; hidden_size and expert_dim multiples of 128),
+        under torch.no_grad() or torch.inference_mode() only. An FP8 checkpoint in that layout
+        loads with `load_state_dict` after this call."""
+        from ..moe.fp8 import GROUP, quantize_fp8_blockwise, quantize_fp8_per_channel
+
+        if self.is_fp8:
+            raise RuntimeError("the layer's expert weights are FP8 already")
+        if block_shape is not None and tuple(block_shape) != (GROUP, GROUP):
+            raise ValueError(f"block_shape must be (128, 128) or None (per output channel), got {block_shape!r}")
+        if self.hidden_size % GROUP or self.expert_dim % GROUP:
+            raise ValueError(f"FP8 experts need hidden_size ({self.hidden_size}) and expert_dim ({self.expert_dim}) "
+                             f"to be multiples of {GROUP}")
+        quantize = quantize_fp8_blockwise if block_shape is not None else quantize_fp8_per_channel
+        (w1, w1_scale), (w2, w2_scale) = quantize(self.w1), quantize(self.w2)
+        del self.w1, self.w2
+        for name, value in (("w1", w1), ("w2", w2), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+            self.register_buffer(name, value)
+        self.fp8_block_shape = None if block_shape is None else tuple(block_shape)
+        self.is_fp8 = True
+        return self
 
     @torch.no_grad()
     def load_hf_experts(self, source) -> "FlashMoELayer":
@@ -162,6 +203,8 @@ class FlashMoELayer(nn.Module):
         A block whose shared expert has its own sigmoid gate (Qwen2-MoE's "shared_expert_gate")
         has no equivalent here and is refused.
         """
+        if self.is_fp8:
+            raise RuntimeError("load Hugging Face weights before to_fp8: the layer's expert weights are FP8")
         state = _state_dict_of(source)
         if any(key.startswith(("shared_expert.", "shared_expert_gate.")) for key in state):
             raise ValueError("source has a gated shared expert (Qwen2-MoE's shared_expert and shared_expert_gate), "

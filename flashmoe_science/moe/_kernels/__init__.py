@@ -6,6 +6,8 @@ algorithm.
 - `dispatch.py`: top-k routing and the block-aligned, expert-sorted layout of token-expert pairs.
 - `grouped_gemm.py`: the two expert GEMMs over that layout (gate/up with the gated activation,
   then down with the routing weight).
+- `fp8.py`: the same two GEMMs with FP8 (e4m3) operands and fp32 scales, and the per-row,
+  128-column quantisation of the tokens (inference).
 - `combine.py`: the deterministic sum of each token's k weighted expert outputs (and, in the
   backward, of each token's k input gradients).
 - `backward.py`: the backward GEMMs over the same layout (activation gradient, input gradient,
