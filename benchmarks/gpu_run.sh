@@ -6,7 +6,7 @@
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep decode-sweep
 #           attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train model moe-sweep
-#           moe-bwd-sweep before-after tc tc-sweep ep
+#           moe-bwd-sweep before-after tc tc-sweep ep moe-fp8
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
@@ -72,6 +72,9 @@ for stage in "${stages[@]}"; do
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;
+    moe-fp8)  # FP8 experts against our bf16 path, grouped_mm and torch._scaled_grouped_mm (results moe_fp8)
+      bench moe --impls ours fp8 scaled_gmm gmm --shapes qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b \
+        --tokens 1 16 256 4096 16384 --no-plot ;;
     ep)  # expert parallelism over every GPU of the machine (starts itself under torchrun; EP_ARGS: more options)
       bench ep ${EP_ARGS:-} ;;
     tc)  # superconductor Tc, 5-fold, both splits, about 7 minutes each (one device call apiece: SPLITS="random");

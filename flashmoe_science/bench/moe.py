@@ -18,7 +18,10 @@ Implementations, on the same inputs in one process:
   `reference.fused_experts_torch` after PyTorch routing;
 - fp8 (only when asked, forward only): `fused_moe` with the same weights quantised to FP8 per
   128 x 128 block (`moe.fp8`); its `rel_error` against the float64 layer of the unquantised
-  weights is the FP8 error itself, and its weight bandwidth counts one byte a weight.
+  weights is the FP8 error itself, and its weight bandwidth counts one byte a weight;
+- scaled_gmm (only when asked, forward only): PyTorch's FP8 path, `torch._scaled_grouped_mm`
+  on the weights quantised per output channel, tokens and intermediate per row
+  (`reference.fused_moe_scaled_grouped_mm`).
 With --mode fwd+bwd each runs under autograd: ours through its custom ops and backward
 kernels, gmm through torch._grouped_mm's own backward, naive through PyTorch's.
 
@@ -47,9 +50,9 @@ import torch
 from ..device import interpreter_active
 from ..flops import moe_flops
 from ..moe import backward, configs, experts, fused_moe, moe_route
-from ..moe.fp8 import quantize_fp8_blockwise
-from ..moe.reference import (fused_experts_torch, fused_moe_grouped_mm, fused_moe_torch,
-                             moe_route_torch)
+from ..moe.fp8 import quantize_fp8_blockwise, quantize_fp8_per_channel
+from ..moe.reference import (fused_experts_torch, fused_moe_grouped_mm, fused_moe_scaled_grouped_mm,
+                             fused_moe_torch, moe_route_torch)
 from . import common, moe_training
 from .timing import speedup_interval, time_gpu, time_wall
 
@@ -64,7 +67,7 @@ TINY_SHAPE = {"tiny": (8, 2, 64, 32)}
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
 QUICK_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")
 QUICK_TOKENS = (1, 4096)
-IMPLS = ("ours", "gmm", "naive", "fp8")
+IMPLS = ("ours", "gmm", "naive", "fp8", "scaled_gmm")
 DEFAULT_IMPLS = ("ours", "gmm", "naive")
 MODES = ("fwd", "fwd+bwd", "train")
 RESULT_NAMES = {"fwd": "moe", "fwd+bwd": "moe_fwd_bwd", "train": "moe_train"}
@@ -92,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{' '.join(map(str, SWEEP_TOKENS))}; fwd+bwd: {' '.join(map(str, FWD_BWD_TOKENS))})")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),
                         help="implementations to time (fp8, the forward only: our FP8 path on the same weights "
-                             "quantised per 128 x 128 block)")
+                             "quantised per 128 x 128 block; scaled_gmm: torch._scaled_grouped_mm on them quantised "
+                             "per output channel)")
     parser.add_argument("--sweep", action="store_true",
                         help="time candidate GEMM configurations and print the best per load bucket (with "
                              "--mode fwd+bwd: the backward GEMMs', per forward BLOCK_M)")
@@ -130,6 +134,20 @@ def _gmm_unavailable(device, dtype, with_backward: bool = False) -> str | None:
     except Exception as exc:  # recorded in the results instead of failing the run
         what = "torch._grouped_mm backward" if with_backward else "torch._grouped_mm"
         return f"{what} failed: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def _scaled_gmm_unavailable(device) -> str | None:
+    """None when torch._scaled_grouped_mm runs here, else why not (recorded in the results)."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    try:
+        w1, w2 = torch.randn(2, 32, 32, device=device), torch.randn(2, 32, 16, device=device)
+        fused_moe_scaled_grouped_mm(torch.randn(8, 32, device=device, dtype=torch.bfloat16),
+                                    *quantize_fp8_per_channel(w1), *quantize_fp8_per_channel(w2),
+                                    torch.randn(8, 2, device=device), 1)
+    except Exception as exc:  # recorded in the results instead of failing the run
+        return f"torch._scaled_grouped_mm failed: {type(exc).__name__}: {exc}"[:300]
     return None
 
 
@@ -185,7 +203,10 @@ def run(args) -> dict:
         meta["copy_tbps"] = common.measure_copy_bandwidth()
     gmm_reason = _gmm_unavailable(device, dtype, with_backward) if "gmm" in args.impls else "not requested"
     meta["gmm"] = gmm_reason or "torch._grouped_mm" + (" with its autograd backward" if with_backward else "")
-    impls = [i for i in args.impls if (i != "gmm" or gmm_reason is None) and (i != "fp8" or not with_backward)]
+    scaled_reason = _scaled_gmm_unavailable(device) if "scaled_gmm" in args.impls and not with_backward else None
+    meta["scaled_gmm"] = scaled_reason or "torch._scaled_grouped_mm, rowwise scales"
+    impls = [i for i in args.impls if (i != "gmm" or gmm_reason is None) and (i != "scaled_gmm" or scaled_reason is None)
+             and (i not in ("fp8", "scaled_gmm") or not with_backward)]
     generator = torch.Generator(device=device).manual_seed(0)
     rows = []
     if with_backward:
@@ -204,10 +225,16 @@ def run(args) -> dict:
                 torch.cuda.empty_cache()
             current, (w1, w2) = name, make_layer(E, H, I, dtype, device, generator)
             w64 = (w1.double(), w2.double())
-            fp8_weights = (*quantize_fp8_blockwise(w1), *quantize_fp8_blockwise(w2)) if "fp8" in impls else None
+            fp8_weights = {}
+            if "fp8" in impls:
+                fp8_weights["fp8"] = (*quantize_fp8_blockwise(w1), *quantize_fp8_blockwise(w2))
+            if "scaled_gmm" in impls:
+                fp8_weights["scaled_gmm"] = (*quantize_fp8_per_channel(w1), *quantize_fp8_per_channel(w2))
         rows += _bench_case(args, name, (E, k, H, I), T, impls, w1, w2, w64, meta["copy_tbps"], generator,
                             fp8_weights)
-    return {"name": RESULT_NAMES[args.mode], "rows": rows, "meta": meta}
+    # FP8 comparisons have their own results file and table (report.render_moe_fp8)
+    fp8_run = any(i in ("fp8", "scaled_gmm") for i in impls)
+    return {"name": "moe_fp8" if fp8_run else RESULT_NAMES[args.mode], "rows": rows, "meta": meta}
 
 
 FORWARDS = {"ours": fused_moe, "gmm": fused_moe_grouped_mm, "naive": naive_forward}
@@ -283,9 +310,12 @@ def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator, 
     logits = torch.randn(T, E, device=device, generator=generator).to(dtype)
     fns = {"ours": lambda: fused_moe(x, w1, w2, logits, k), "gmm": lambda: fused_moe_grouped_mm(x, w1, w2, logits, k),
            "naive": lambda: naive_forward(x, w1, w2, logits, k)}
-    if fp8_weights is not None:
-        q1, s1, q2, s2 = fp8_weights
+    if "fp8" in (fp8_weights or {}):
+        q1, s1, q2, s2 = fp8_weights["fp8"]
         fns["fp8"] = lambda: fused_moe(x, q1, q2, logits, k, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
+    if "scaled_gmm" in (fp8_weights or {}):
+        c1, cs1, c2, cs2 = fp8_weights["scaled_gmm"]
+        fns["scaled_gmm"] = lambda: fused_moe_scaled_grouped_mm(x, c1, cs1, c2, cs2, logits, k)
     # Correctness on the first rows, all with our routing (see the module docstring).
     S = min(T, REFERENCE_TOKENS)
     weights, ids = moe_route(logits[:S], k)
@@ -309,7 +339,7 @@ def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator, 
             row["graph_ms"] = time_gpu(graph_replay(fns[impl]), warmup_ms=args.warmup, rep_ms=args.rep,
                                               repeats=args.repeats).median_ms
         if touched is not None:
-            weight_bytes = touched * 3 * H * I * (1 if impl == "fp8" else w1.element_size())
+            weight_bytes = touched * 3 * H * I * (1 if impl in ("fp8", "scaled_gmm") else w1.element_size())
             row["touched_experts"] = touched
             row["weight_tbps"] = weight_bytes / (timing.median_ms * 1e-3) / 1e12
             row["weight_fraction_of_copy"] = row["weight_tbps"] / copy_tbps

@@ -246,10 +246,12 @@ def render_moe_fp8(name: str, result: dict) -> str:
     grid: dict = {}
     for r in rows:
         grid.setdefault((r["shape"], r["E"], r["top_k"], r["H"], r["I"], r["T"]), {})[r["impl"]] = r
+    scaled = meta.get("scaled_gmm", "not run in this file")
     out = [_source_line(name, meta).rstrip("\n"), "",
-           f"Copy bandwidth measured in the same run: {meta.get('copy_tbps', float('nan')):.2f} TB/s.", "",
+           f"Copy bandwidth measured in the same run: {meta.get('copy_tbps', float('nan')):.2f} TB/s. "
+           f"Scaled grouped-mm: {scaled}.", "",
            "| model (E, k, H, I) | T | bf16 ms | FP8 ms | FP8 / bf16 time | FP8 TFLOP/s | FP8 weight bandwidth | "
-           "grouped-mm ms | rel. error FP8 / bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+           "grouped-mm ms | scaled grouped-mm (FP8) ms | rel. error FP8 / bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, e, k, h, i, t), by in grid.items():
         ours, fp8 = by.get("ours", {}), by.get("fp8", {})
         if not fp8:
@@ -259,6 +261,7 @@ def render_moe_fp8(name: str, result: dict) -> str:
         ratio = f"{fp8['ms'] / ours['ms']:.2f}" if ours.get("ms") else ""
         out.append(f"| {shape} ({e}, {k}, {h}, {i}) | {t} | {_fmt(ours.get('ms'), 3)} | {fp8['ms']:.3f} | {ratio} | "
                    f"{_fmt(fp8.get('tflops'))} | {bandwidth} | {_fmt(by.get('gmm', {}).get('ms'), 3)} | "
+                   f"{_fmt(by.get('scaled_gmm', {}).get('ms'), 3)} | "
                    f"{fp8['rel_error']:.1e} / " + (f"{ours['rel_error']:.1e}" if ours.get("rel_error") else "") + " |")
     return "\n".join(out) + "\n"
 

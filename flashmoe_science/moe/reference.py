@@ -63,3 +63,35 @@ def fused_moe_grouped_mm(x, w1, w2, router_logits, top_k):
     a = gated_activation_torch(h[:, : two_i // 2], h[:, two_i // 2:])
     y = torch._grouped_mm(a, w2.transpose(1, 2), offs=ends) * weights.flatten()[order, None].to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+def _rowwise_fp8(a):
+    """(a in float8_e4m3fn, its dequantisation scales (rows,)): one scale per row, max |a| / 448."""
+    scale = (a.abs().amax(dim=-1).float() / 448.0).clamp_min(1e-12)
+    return (a.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+def fused_moe_scaled_grouped_mm(x, w1q, w1_scale, w2q, w2_scale, router_logits, top_k, group_align: int = 16):
+    """PyTorch's FP8 MoE path: `fused_moe_grouped_mm` with torch._scaled_grouped_mm, weights in
+    FP8 with per-output-channel scales (E, N), tokens and the intermediate quantised per row on
+    the fly, each expert's rows padded to a multiple of `group_align` (the FP8 grouped GEMM's
+    alignment, as torchao and torchtitan pad them). Reads the padded size back to the host."""
+    E, two_i, _ = w1q.shape
+    weights, ids = moe_route_torch(router_logits, top_k)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + group_align - 1) // group_align * group_align
+    ends = torch.cumsum(padded, 0)
+    sorted_experts = flat[order]
+    rank = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    rows = (ends - padded)[sorted_experts] + rank
+    tokens = order // top_k
+    a = x.new_zeros(int(ends[-1]), x.shape[1]).index_copy(0, rows, x[tokens])
+    aq, a_scale = _rowwise_fp8(a)
+    offs = ends.to(torch.int32)
+    h = torch._scaled_grouped_mm(aq, w1q.transpose(1, 2), a_scale, w1_scale, offs=offs, out_dtype=x.dtype)
+    hq, h_scale = _rowwise_fp8(gated_activation_torch(h[:, : two_i // 2], h[:, two_i // 2:]))
+    y = torch._scaled_grouped_mm(hq, w2q.transpose(1, 2), h_scale, w2_scale, offs=offs, out_dtype=x.dtype)
+    y = y[rows] * weights.flatten()[order, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, y)
