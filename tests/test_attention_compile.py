@@ -85,3 +85,37 @@ def test_gpu_inductor_compiled_model_matches_eager():
         assert torch.isfinite(c).all()
         rel = ((c.float() - e.float()).norm() / e.float().norm()).item()
         assert rel < 2e-2, rel
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_compiled_kv_cache_decode_step_equals_eager(device, paged):
+    """A decode step (append the new key and value, attend) under torch.compile(fullgraph=True):
+    one custom op that mutates the caches; outputs, lse and caches as eager."""
+    from flashmoe_science import flash_attention_with_kvcache
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, cached = 2, 4, 2, 32, 40
+    q = torch.randn(batch, 1, heads, dim, device=device)
+    k_new, v_new = (torch.randn(batch, 1, kv_heads, dim, device=device) for _ in range(2))
+    seqlens = torch.tensor([cached, 17], dtype=torch.int32, device=device)
+    if paged:
+        cache = torch.randn(8, 16, kv_heads, dim, device=device)
+        table = torch.tensor([[3, 0, 5, 6], [1, 2, 4, 7]], dtype=torch.int32, device=device)
+    else:
+        cache, table = torch.randn(batch, 64, kv_heads, dim, device=device), None
+    caches = [(cache.clone(), cache.clone() * 0.5) for _ in range(2)]
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        return flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                            return_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out, lse = compiled(q, *caches[0], k_new, v_new, seqlens)
+    eager_out, eager_lse = step(q, *caches[1], k_new, v_new, seqlens)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert not torch.equal(caches[0][0], cache)  # the new key was written
+    out_int = torch.compile(lambda q, kc, vc: flash_attention_with_kvcache(q, kc, vc, cache_seqlens=17,
+                                                                           block_table=table),
+                            fullgraph=True, backend="aot_eager")(q, *caches[0])
+    assert torch.equal(out_int, flash_attention_with_kvcache(q, *caches[1], cache_seqlens=17, block_table=table))

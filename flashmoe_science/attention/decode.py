@@ -255,6 +255,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
 
     A cache length, left padding or page id out of range, which can only be seen on the device, makes that
     sequence's outputs NaN; nothing outside the caches is read or written. Not differentiable.
+    torch.compile traces it as one custom op, `flashmoe_science::attention_with_kvcache`, which
+    mutates the caches (fullgraph, no graph break).
 
     Returns:
         out (B, Sq, Hq, D), or (out, lse) when return_lse.
@@ -265,6 +267,20 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
     _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
+    if torch.compiler.is_compiling():  # through the custom op (ops.py): one graph node, the caches mutated
+        if not isinstance(cache_seqlens, torch.Tensor):
+            cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens or 0), dtype=torch.int32, device=q.device)
+        out, lse = torch.ops.flashmoe_science.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, softmax_scale,
+            window_size[0], window_size[1], float(softcap), int(num_splits))
+        return (out, lse) if return_lse else out
+    return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, softmax_scale,
+                         window_size, softcap, num_splits, return_lse)
+
+
+def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, softmax_scale,
+                  window_size, softcap, num_splits, return_lse):
+    """`flash_attention_with_kvcache` after its checks: the plan, the append, the launches."""
     key = _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
                     num_splits, cache_leftpad)
     plan = PLANS.get(key) or PLANS.remember(key, DecodePlan(q, k_cache, block_table, causal, window_size,

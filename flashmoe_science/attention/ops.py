@@ -7,6 +7,8 @@ packed variable-length batches. All have fake implementations that allocate outp
 the real ones' shapes, dtypes and strides, so torch.compile traces a model using
 `flash_attention_science` or `flash_attention_varlen` without a graph break and without running a
 kernel, forward and backward. The sliding window travels as two ints (left, right).
+`attention_with_kvcache` is `flash_attention_with_kvcache` (inference: it mutates the caches
+when given new keys and values, and has no backward).
 
 lse is a differentiable output: its gradient enters the backward through delta (the derivative
 of lse_i with respect to score s_ij is p_ij), so a loss may use it.
@@ -16,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import interface, varlen
+from . import decode, interface, varlen
 from .backward import attention_backward as _attention_backward
 from .forward import attention_forward as _attention_forward
 from .layouts import output_like
@@ -116,3 +118,20 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 
 attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+
+
+@torch.library.custom_op("flashmoe_science::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                           cache_seqlens: Tensor, block_table: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                           causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
+                           softcap: float, num_splits: int) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of `flash_attention_with_kvcache`; k and v, when given, are written into the
+    caches in place first. Not differentiable."""
+    return decode._with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
+                                softmax_scale, (window_left, window_right), softcap, num_splits, True)
+
+
+@attention_with_kvcache.register_fake
+def _attention_with_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
+                                 softmax_scale, window_left, window_right, softcap, num_splits):
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
