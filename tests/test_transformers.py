@@ -236,3 +236,29 @@ def test_fp8_checkpoint_experts_run_our_fp8_kernels():
     assert "block_size=None" in _fp8_fallback_reason(module, x, 2)
     module.block_size = (128, 128)
     assert "training" in _fp8_fallback_reason(module, x.requires_grad_(), 2)
+
+
+def test_compiled_left_padded_decode_reads_no_mask_back():
+    """Under torch.compile the left-padded decode path checks the mask on the device: a left-padded
+    batch gives eager's outputs in one graph, and a sequence whose mask has a hole (which eager
+    packs instead) comes out NaN, never silently wrong, while the others stay exact."""
+    from flashmoe_science.integrations.transformers import _left_padded_short_queries
+
+    torch.manual_seed(0)
+    query = torch.randn(3, 4, 1, 32, device=DEVICE)
+    key, value = (torch.randn(3, 2, 12, 32, device=DEVICE) for _ in range(2))
+    mask = torch.ones(3, 12, dtype=torch.bool, device=DEVICE)
+    mask[0, :3] = False  # left padding
+    mask[2, :5] = False
+    compiled = torch.compile(_left_padded_short_queries, fullgraph=True, backend="aot_eager")
+    options = dict(softmax_scale=None, window_size=(-1, -1), softcap=0.0)
+    with torch.no_grad():
+        out = compiled(query, key, value, mask, True, options)
+        expected = _left_padded_short_queries(query, key, value, mask, True, options)
+        assert torch.equal(out, expected)
+        holed = mask.clone()
+        holed[1, 6] = False  # a hole: eager packs this batch instead
+        assert _left_padded_short_queries(query, key, value, holed, True, options) is None
+        out = compiled(query, key, value, holed, True, options)
+    assert torch.isnan(out[1]).all()
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[2], expected[2])

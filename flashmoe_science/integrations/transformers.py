@@ -89,7 +89,9 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
     with a static cache: the KV-cache kernels over the keys as they lie, each sequence from its
     first unpadded slot (`cache_leftpad`) to the last token, no gather of the valid tokens. Only
     for causal queries that fit one decode tile and need no gradient; None when the mask is not
-    left padding (a hole in it: the caller packs the valid tokens instead)."""
+    left padding (a hole in it: the caller packs the valid tokens instead). Under torch.compile
+    the mask is checked on the device (no host read, one graph): a sequence whose mask has a
+    hole comes out NaN."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
     if (not causal or seqlen_q * (heads_q // key.shape[1]) > DECODE_MAX_BLOCK_M[query.element_size()]
@@ -98,7 +100,12 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
     mask = mask[:, -seqlen_k:]
     filled = mask.shape[1]  # shorter than the keys with a static cache: the slots past it are unfilled
     leftpad = filled - mask.sum(1, dtype=torch.int32)
-    if not bool((mask == (torch.arange(filled, device=mask.device) >= leftpad[:, None])).all()):
+    left_padding = (mask == (torch.arange(filled, device=mask.device) >= leftpad[:, None])).all(1)
+    if torch.compiler.is_compiling():
+        # Nothing read back under torch.compile: a sequence whose mask has a hole gets a start out of
+        # range, which makes its outputs NaN (visible), never another sequence's attention.
+        leftpad = torch.where(left_padding, leftpad, -1)
+    elif not bool(left_padding.all()):
         return None
     return flash_attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                         cache_seqlens=filled, cache_leftpad=leftpad, causal=True, **options)
