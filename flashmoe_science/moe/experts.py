@@ -283,10 +283,12 @@ def _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_sca
     except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks name it
         fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
         raise
-    if fp8._PLANS.get(key) is None:
+    plan = fp8.PLANS.get(key)
+    if plan is None:
         fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
-    plan = fp8.fp8_plan(hidden_states, w1, w2, w1_scale, w2_scale, topk_ids.shape[1], block_shape, activation, key)
+        plan = fp8.new_plan(key, hidden_states, w1, topk_ids.shape[1], block_shape)
+    fp8.check_scales_finite(w1_scale, w2_scale)
     if plan.num_tokens == 0:
         return hidden_states.new_empty((0, plan.hidden))
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()

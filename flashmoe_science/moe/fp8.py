@@ -27,7 +27,7 @@ _MIN_SCALE = 1e-12
 _QUANTIZE = KernelLauncher("moe_fp8_quantize", quantize_groups_kernel)
 _GATE_UP = KernelLauncher("moe_fp8_gate_up", gate_up_fp8_kernel)
 _DOWN = KernelLauncher("moe_fp8_down", down_fp8_kernel)
-_PLANS = PlanCache()
+PLANS = PlanCache()  # checked calls' plans, by the call's key (experts._fp8_experts)
 
 
 def quantize_fp8_blockwise(w: torch.Tensor, block=(GROUP, GROUP)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,13 +161,9 @@ class _FP8Plan:
         self.launch_key = (key, self.config)
 
 
-def fp8_plan(hidden_states, w1, w2, w1_scale, w2_scale, top_k, block_shape, activation, key) -> _FP8Plan:
-    plan = _PLANS.get(key)
-    if plan is None:
-        check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
-        plan = _PLANS.remember(key, _FP8Plan(key, hidden_states, w1, top_k, block_shape))
-    check_scales_finite(w1_scale, w2_scale)
-    return plan
+def new_plan(key, hidden_states, w1, top_k: int, block_shape) -> _FP8Plan:
+    """The plan of a call whose arguments passed `check_fp8_args`, cached under `key`."""
+    return PLANS.remember(key, _FP8Plan(key, hidden_states, w1, top_k, block_shape))
 
 
 def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights, topk_ids, layout, activation):
