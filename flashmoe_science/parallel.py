@@ -33,7 +33,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from .layers.moe import FlashMoELayer, router_statistics
+from .layers.moe import FlashMoELayer, count_values, router_statistics
 from .moe import fused_experts, moe_route
 from .moe.reference import gated_activation_torch
 
@@ -240,7 +240,7 @@ class ExpertParallelMoE(nn.Module):
         order, owner_sorted, local_ids = self._sorted_by_owner(ids)
         rows = tokens[torch.div(order, self.top_k, rounding_mode="floor")]
         weights = weights[order]
-        counts = _count(owner_sorted, world)
+        counts = count_values(owner_sorted, world)
         position = torch.arange(ids.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[owner_sorted]
         kept = position < capacity
         self.dropped_assignments = (~kept).sum()
@@ -269,13 +269,6 @@ class ExpertParallelMoE(nn.Module):
 def _waited(t: torch.Tensor) -> torch.Tensor:
     """A functional collective's result as a plain tensor (waiting for the exchange)."""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
-def _count(values: torch.Tensor, n: int) -> torch.Tensor:
-    """How many of `values` (integers in [0, n)) equal each of 0..n-1; unlike torch.bincount on
-    a GPU, without reading the largest value back to the host."""
-    values = values.long()
-    return torch.zeros(n, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
 
 
 def _sum_rows(rows: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

@@ -284,6 +284,13 @@ def _weight(state: Mapping, key: str, shape: tuple) -> torch.Tensor:
     return weight
 
 
+def count_values(values: torch.Tensor, n: int) -> torch.Tensor:
+    """How many of `values` (integers in [0, n)) equal each of 0..n-1, int64 (n,): a scatter-add
+    on the device; unlike torch.bincount on a GPU, nothing is read back to the host."""
+    values = values.long()
+    return torch.zeros(n, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
 def router_statistics(logits: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, aux_loss_coef: float,
                       z_loss_coef: float):
     """(tokens_per_expert, aux_loss, z_loss) of one routing call, as FlashMoELayer defines them.
@@ -300,9 +307,7 @@ def router_statistics(logits: torch.Tensor, topk_ids: torch.Tensor, num_experts:
         z_loss = z_loss_coef * mean_t logsumexp(logits_t)^2. Both fp32 scalars, differentiable
         in logits, zero when their coefficient is 0 or T = 0.
     """
-    ids = topk_ids.reshape(-1).long()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add_(0, ids, torch.ones_like(ids))
+    counts = count_values(topk_ids.reshape(-1), num_experts)
     num_tokens, top_k = topk_ids.shape
     aux_loss = z_loss = logits.new_zeros((), dtype=torch.float32)
     if num_tokens == 0:
