@@ -14,7 +14,7 @@ from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher bu
 from flashmoe_science.device import SUPPORTED_TARGETS, info_for
 from flashmoe_science.launch import PlanCache, clear_records, last_launch
 from flashmoe_science.moe import backward as moe_backward
-from flashmoe_science.moe import builds, configs, fused_experts, fused_moe, moe_route
+from flashmoe_science.moe import builds, configs, experts, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
 
 BACKWARD_OPS = ("moe_grad_gate_up", "moe_grad_x", "moe_grad_w1", "moe_grad_w2")
@@ -278,7 +278,7 @@ def test_tma_falls_back_where_tensors_are_not_addressable(device, poisoned, forc
         forced_backward(functools.partial(dataclasses.replace, tma=tma))
         inputs = leaves(x, w1, torch.cat([w2.new_zeros(1), w2.flatten()]), weights)
         shifted_w2 = inputs[2][1:].view(w2.shape)
-        assert shifted_w2.data_ptr() % 16 == 2 and not moe_backward.tma_addressable(shifted_w2)
+        assert shifted_w2.data_ptr() % 16 == 2 and not experts.tma_addressable(shifted_w2)
         out = fused_experts(inputs[0], inputs[1], shifted_w2, inputs[3], ids)
         grads[tma] = torch.autograd.grad(out, inputs, grad_out)
     assert last_launch("moe_grad_gate_up").constexprs["TMA"] is False
@@ -289,12 +289,12 @@ def test_tma_falls_back_where_tensors_are_not_addressable(device, poisoned, forc
 
 def test_tma_addressable():
     t = torch.zeros(64, 64, dtype=torch.float16)
-    assert moe_backward.tma_addressable(t, t[8:], t[:, 8:], t.view(4, 16, 64))
+    assert experts.tma_addressable(t, t[8:], t[:, 8:], t.view(4, 16, 64))
     for bad in (t.flatten()[1:65].view(8, 8),       # base 2 bytes past a 16-byte boundary
                 t.as_strided((60, 64), (66, 1)),  # rows 132 bytes apart
                 t.t(),                            # last stride not 1
                 t[:0]):                           # empty
-        assert not moe_backward.tma_addressable(bad)
+        assert not experts.tma_addressable(bad)
 
 
 @pytest.mark.targets

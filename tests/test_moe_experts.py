@@ -1,5 +1,7 @@
 """fused_moe and fused_experts against the float64 reference of the formula, on the CPU
 interpreter (fp32 and fp16, small shapes) and on the GPU (bf16 at real model shapes)."""
+import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -11,7 +13,8 @@ import triton
 import triton.language as tl
 from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher buffer starts as poison)
 
-from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+from flashmoe_science.launch import PlanCache, last_launch
+from flashmoe_science.moe import configs, experts, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe._kernels.offsets import wide_offset
 from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
 
@@ -123,6 +126,74 @@ def test_strided_inputs(device):
     out = fused_moe(wide[:, 16:16 + H], w1_t, w2, logits, k)
     ref = fused_moe_torch(x.double(), w1.double(), w2.double(), logits.double(), k)
     assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+@pytest.fixture
+def forced_experts_config(monkeypatch):
+    """force(change): the forward runs change(the table's ExpertsConfig) from here on (plans keep
+    their configuration, so each force starts an empty plan cache)."""
+    table = configs.experts_config
+
+    def force(change):
+        monkeypatch.setattr(experts, "_EXPERTS_PLANS", PlanCache())
+        monkeypatch.setattr(configs, "experts_config", lambda *args: change(table(*args)))
+    return force
+
+
+def has_tma(device) -> bool:
+    """Whether kernels can take their TMA paths on `device` (the interpreter emulates them)."""
+    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def assert_same_bits(pointer, tma):
+    """The GPU's products see the same tiles either way: the same bits. The interpreter's fp32
+    products go through numpy, which sums a B tile read transposed (the descriptor path's
+    tl.trans) in another order: within a few ulps there (fp16 outputs round it away)."""
+    if tma.device.type == "cpu" and tma.dtype == torch.float32:
+        torch.testing.assert_close(tma, pointer, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(pointer, tma)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,H,I", [(5, 48, 48), (37, 48, 80), (300, 80, 32)])
+def test_tma_forward_gives_the_pointer_kernels_bits(device, poisoned, forced_experts_config, T, H, I,
+                                                    dtype):  # noqa: F811
+    """ExpertsConfig.tma: the weight tiles (gate/up through the (E, I, 2, H) view, interleaved as
+    the pointer path's B tile) and down's h tile come through descriptors, with the pointer
+    kernels' bits. H and I leave ragged last tiles and K steps (I = 80: two column tiles of gate/up, H = 80
+    past one K step of 64); expert 3 gets no token; T = 300 runs the prefill tiles."""
+    E, k = 8, 2
+    x, w1, w2 = make_layer(T, E, H, I, dtype, device)
+    ids = torch.randint(0, E - 1, (T, k), device=device, dtype=torch.int32)
+    ids[ids >= 3] += 1
+    weights = torch.rand(T, k, device=device)
+    outs = {}
+    for tma in (False, True):
+        forced_experts_config(functools.partial(dataclasses.replace, tma=tma))
+        outs[tma] = fused_experts(x, w1, w2, weights, ids)
+        assert last_launch("moe_gate_up").constexprs["TMA"] == last_launch("moe_down").constexprs["TMA"] == (
+            tma and has_tma(device))
+    assert_same_bits(outs[False], outs[True])
+    ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+    check_against_reference(outs[True], ref, fused_experts_torch(x, w1, w2, weights, ids))
+
+
+def test_tma_forward_falls_back_where_tensors_are_not_addressable(device, poisoned, forced_experts_config):  # noqa: F811
+    """w1 starting 2 bytes past a 16-byte boundary: gate/up reads it through pointers, down still
+    through descriptors, with the pointer kernels' bits."""
+    T, E, k, H, I = 21, 4, 2, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float16, device)
+    weights, ids = moe_route(torch.randn(T, E, device=device), k)
+    shifted_w1 = torch.cat([w1.new_zeros(1), w1.flatten()])[1:].view(w1.shape)
+    assert shifted_w1.data_ptr() % 16 == 2 and not experts.tma_addressable(shifted_w1)
+    outs = {}
+    for tma in (False, True):
+        forced_experts_config(functools.partial(dataclasses.replace, tma=tma))
+        outs[tma] = fused_experts(x, shifted_w1, w2, weights, ids)
+    assert last_launch("moe_gate_up").constexprs["TMA"] is False
+    assert last_launch("moe_down").constexprs["TMA"] == has_tma(device)
+    assert_same_bits(outs[False], outs[True])
 
 
 @triton.jit

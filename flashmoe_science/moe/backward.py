@@ -39,9 +39,8 @@ launch took descriptors (`_launch_key`). The others take the pointer kernels wit
 from __future__ import annotations
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..device import info_for, interpreter_active
+from ..device import info_for
 from ..launch import KernelLauncher, PlanCache
 from . import configs, experts, routing
 from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
@@ -75,7 +74,7 @@ class BackwardPlan:
         device = info_for(x)
         self.config = config or configs.backward_config(device, x.element_size(), self.block_m,
                                                         configs.pairs_per_expert(T, self.top_k, E))
-        self.tma = self.config.tma and (device.capability >= 90 if x.is_cuda else interpreter_active())
+        self.tma = self.config.tma and experts.tma_capable(x)
         self.copy_x = x.stride(1) != 1
         self.copy_w1 = w1.stride(2) != 1
         self.copy_w2 = w2.stride(2) != 1
@@ -101,27 +100,6 @@ def expert_block_ranges(block_expert: torch.Tensor, num_experts: int) -> torch.T
     return torch.searchsorted(sorted_experts, boundaries, out_int32=True)
 
 
-def tma_addressable(*tensors: torch.Tensor) -> bool:
-    """Whether the tensor memory accelerator can address these tensors: base 16-byte aligned,
-    every stride but the last a multiple of 16 bytes, the last 1, no empty dimension (the
-    device was checked once, in BackwardPlan.tma)."""
-    for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.numel() == 0:
-            return False
-        if any(s * t.element_size() % 16 for s in t.stride()[:-1]):
-            return False
-    return True
-
-
-def _launch_key(key, tma: bool):
-    """The launcher's cache key: the call's key and whether this launch passes descriptors."""
-    return None if key is None else (key, tma)
-
-
-def _descriptor(t: torch.Tensor, block) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
-
-
 def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert,
                         block_rows, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
                         need_weight_grads: bool) -> None:
@@ -129,10 +107,10 @@ def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_
     into grad_weight_parts (plan.grad_gate_up_tiles, T * k) fp32, and with need_weight_grads
     w_p * h_p (layout rows, I) into weighted_h and each row's token into row_tokens (layout rows,)."""
     g = plan.config.grad_gate_up
-    tma = plan.tma and tma_addressable(w2)
+    tma = plan.tma and experts.tma_addressable(w2)
     _GRAD_GATE_UP.launch(
-        _launch_key(key, tma), plan.grids["grad_gate_up"],
-        (grad_out, _descriptor(w2, (1, g.block_k, g.block_n)) if tma else w2, h, h_grads, topk_weights,
+        experts.launch_key_with_tma(key, tma), plan.grids["grad_gate_up"],
+        (grad_out, experts.tma_descriptor(w2, (1, g.block_k, g.block_n)) if tma else w2, h, h_grads, topk_weights,
          grad_gate_up, weighted_h, row_tokens, grad_weight_parts, sorted_pairs, block_expert, block_rows,
          plan.num_blocks, plan.num_tokens * plan.top_k, plan.hidden, plan.inter, plan.top_k, int(need_weight_grads),
          grad_out.stride(0), w2.stride(0), w2.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m, tma),
@@ -143,14 +121,14 @@ def launch_grad_x(key, plan: BackwardPlan, grad_gate_up, w1, grad_x_pairs, sorte
                   block_rows) -> None:
     """grad_x_pairs (T * k, H): row p = w1[e].T @ grad_gate_up[row of p]."""
     g = plan.config.grad_x
-    tma = plan.tma and tma_addressable(grad_gate_up, w1)
+    tma = plan.tma and experts.tma_addressable(grad_gate_up, w1)
     if tma:
-        grad_gate_up = _descriptor(grad_gate_up, (plan.block_m, g.block_k))
-        w1_arg = _descriptor(w1, (1, g.block_k, g.block_n))
+        grad_gate_up = experts.tma_descriptor(grad_gate_up, (plan.block_m, g.block_k))
+        w1_arg = experts.tma_descriptor(w1, (1, g.block_k, g.block_n))
     else:
         w1_arg = w1
     _GRAD_X.launch(
-        _launch_key(key, tma), plan.grids["grad_x"],
+        experts.launch_key_with_tma(key, tma), plan.grids["grad_x"],
         (grad_gate_up, w1_arg, grad_x_pairs, sorted_pairs, block_expert, block_rows, plan.num_blocks, plan.hidden,
          plan.inter, w1.stride(0), w1.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
@@ -163,12 +141,12 @@ def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, layou
     order (a descriptor of `block` tiles with TMA), `gathered_stride` the row stride of the
     input it gathers by token."""
     g = getattr(plan.config, name)
-    tma = plan.tma and tma_addressable(operands[layout_index])
+    tma = plan.tma and experts.tma_addressable(operands[layout_index])
     if tma:
         operands = list(operands)
-        operands[layout_index] = _descriptor(operands[layout_index], block(g))
+        operands[layout_index] = experts.tma_descriptor(operands[layout_index], block(g))
     launcher.launch(
-        _launch_key(key, tma), plan.grids[name],
+        experts.launch_key_with_tma(key, tma), plan.grids[name],
         (*operands, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m, gathered_stride, g.block_m,
          g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)

@@ -32,7 +32,7 @@ def shipped_builds(capability: int):
     from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
 
     def build(label, fn, pointers, constexprs, num_warps, num_stages, aligned=(), descriptors=None):
-        """`descriptors` (TMA builds of the backward): the pointer arguments passed as tensor
+        """`descriptors` (TMA builds): the pointer arguments passed as tensor
         descriptors instead, with their block shapes (constexpr names or numbers)."""
         signature = {name: "i32" for name in fn.arg_names}
         signature.update(pointers)
@@ -48,27 +48,32 @@ def shipped_builds(capability: int):
                            aligned=tuple(pointers) + tuple(aligned))
 
     layout = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32")
+    # Entries with `tma` build on sm90 with descriptors too (their pointer builds serve the
+    # calls whose tensors TMA cannot address): the operands each kernel reads as dense tiles.
+    descriptors = {"moe_gate_up": dict(w1_ptr=(1, "BLOCK_N", 2, "BLOCK_K")),
+                   "moe_down": dict(h_ptr=("BLOCK_M", "BLOCK_K"), w2_ptr=(1, "BLOCK_N", "BLOCK_K")),
+                   "moe_grad_gate_up": dict(w2_ptr=(1, "BLOCK_K", "BLOCK_N")),
+                   "moe_grad_x": dict(grad_gate_up_ptr=("BLOCK_M", "BLOCK_K"), w1_ptr=(1, "BLOCK_K", "BLOCK_N")),
+                   "moe_grad_w1": dict(grad_gate_up_ptr=("BLOCK_K", "BLOCK_M")),
+                   "moe_grad_w2": dict(weighted_h_ptr=("BLOCK_K", "BLOCK_N"))}
     for element_size, cfg in experts_configs(capability):
-        for dtype in _TRITON_DTYPES[element_size]:
+        for dtype, tma in product(_TRITON_DTYPES[element_size], (False, True) if cfg.tma and capability == 90
+                                  else (False,)):
             g, d = cfg.gate_up, cfg.down
             for activation in ACTIVATIONS:
                 yield build(f"moe_gate_up {dtype} {activation} BLOCK_M={cfg.block_m} {g}", gate_up_kernel,
                             dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", h_ptr=f"*{dtype}", h_grads_ptr=f"*{dtype}",
                                  **layout),
                             dict(ACTIVATION=activation, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
-                                 BLOCK_K=g.block_k, GROUP_M=g.group_m),
-                            g.num_warps, g.num_stages, aligned=("H", "I", "stride_xt", "stride_we", "stride_wn"))
+                                 BLOCK_K=g.block_k, GROUP_M=g.group_m, TMA=tma),
+                            g.num_warps, g.num_stages, aligned=("H", "I", "stride_xt", "stride_we", "stride_wn"),
+                            descriptors=tma and descriptors["moe_gate_up"])
             yield build(f"moe_down {dtype} BLOCK_M={cfg.block_m} {d}", down_kernel,
                         dict(h_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", y_ptr=f"*{dtype}", weights_ptr="*fp32",
                              **layout),
-                        dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m),
-                        d.num_warps, d.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
-    # Entries with `tma` build on sm90 with descriptors too (their pointer builds serve the
-    # calls whose tensors TMA cannot address): the operands each kernel reads as dense tiles.
-    descriptors = {"moe_grad_gate_up": dict(w2_ptr=(1, "BLOCK_K", "BLOCK_N")),
-                   "moe_grad_x": dict(grad_gate_up_ptr=("BLOCK_M", "BLOCK_K"), w1_ptr=(1, "BLOCK_K", "BLOCK_N")),
-                   "moe_grad_w1": dict(grad_gate_up_ptr=("BLOCK_K", "BLOCK_M")),
-                   "moe_grad_w2": dict(weighted_h_ptr=("BLOCK_K", "BLOCK_N"))}
+                        dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m, TMA=tma),
+                        d.num_warps, d.num_stages, aligned=("H", "I", "stride_we", "stride_wn"),
+                        descriptors=tma and descriptors["moe_down"])
     weight_grads = {}  # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M, tma)
     for element_size, block_m, cfg in backward_configs(capability):
         for dtype, tma in product(_TRITON_DTYPES[element_size], (False, True) if cfg.tma and capability == 90

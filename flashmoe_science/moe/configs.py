@@ -53,14 +53,18 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """BLOCK_M of the sorted layout and the tiling of the gate/up and down GEMMs."""
+    """BLOCK_M of the sorted layout and the tiling of the gate/up and down GEMMs.
+    tma: the dense operands (both weight tiles, down's h tile) come through tensor descriptors
+    (sm90) instead of pointer loads: the same tiles and products, so the same bits; calls whose
+    tensors TMA cannot address run the pointer kernels with the same tiles."""
 
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
+    tma: bool = False
 
     def __str__(self) -> str:
-        return f"BLOCK_M={self.block_m} gate_up[{self.gate_up}] down[{self.down}]"
+        return f"BLOCK_M={self.block_m} gate_up[{self.gate_up}] down[{self.down}]" + (" tma" if self.tma else "")
 
 
 G, X = GemmConfig, ExpertsConfig
@@ -73,10 +77,18 @@ _LARGE_SMEM = ((8, _DECODE),
                (32, X(32, G(64, 128, 1, 4, 3), G(128, 128, 1, 4, 3))),
                (96, X(64, G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 4))),
                (None, X(128, G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 4))))
-# Hopper: as above, but the prefill gate/up GEMM runs three stages, best summed over the four
-# benchmark shapes at 4096 and 16384 tokens in an H100 comparison of its candidates (Mixtral-8x7B
-# at 16k tokens: 12.96 ms, against 14.23 ms before gate and up shared one product per step).
-_HOPPER = _LARGE_SMEM[:-1] + ((None, X(128, G(128, 64, 8, 8, 3), G(256, 64, 8, 8, 4))),)
+# Hopper: the dense operands of the middle and prefill tiles come through tensor descriptors
+# (ExpertsConfig.tma), measured per GEMM against pointer loads on an H100 (`bench moe --sweep`
+# over restricted grids: benchmarks/results/moe_sweep_tma_prefill.json and
+# moe_sweep_tma_small.json): prefill gate/up 5-20% and down 2-20% faster (Mixtral-8x7B at 16k
+# tokens 11.5 against 13.6 ms and 5.5 against 6.8 ms), the middle bucket 2-5%; the decode tiles
+# stream weights at the same speed either way (within 2%), so they keep the pointer builds. With
+# descriptors the prefill gate/up GEMM runs four stages (Mixtral-8x7B at 1024 tokens 1.15
+# against 1.36 ms for three), the middle bucket's down GEMM three (Mixtral-8x7B at 256 tokens
+# 351 against 402 us for four).
+_HOPPER = (_LARGE_SMEM[:2]
+           + ((96, X(64, G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 3), tma=True)),)
+           + ((None, replace(_LARGE_SMEM[3][1], tma=True)),))
 # sm80: as above, but the middle bucket's gate/up GEMM on eight warps: on four its 64 x 256 fp32
 # accumulator (gate and up interleaved) spills 72-80 bytes a thread under sm80's ptxas.
 _SM80 = _LARGE_SMEM[:2] + ((96, X(64, G(128, 64, 8, 8, 4), G(128, 64, 8, 4, 4))),) + _LARGE_SMEM[3:]

@@ -26,7 +26,9 @@ import time
 
 import torch
 
-from ..device import check_runnable, info_for
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..device import check_runnable, info_for, interpreter_active
 from ..launch import KernelLauncher, PlanCache
 from . import configs, fp8, routing
 from ._kernels.combine import combine_kernel
@@ -113,6 +115,42 @@ class _ExpertsPlan:
                 w1.contiguous() if self.copy_w1 else w1, w2.contiguous() if self.copy_w2 else w2)
 
 
+def tma_capable(t: torch.Tensor) -> bool:
+    """Whether kernels can move `t`'s device's tiles through tensor descriptors: sm90 or later (the
+    CPU interpreter emulates descriptor loads)."""
+    return info_for(t).capability >= 90 if t.is_cuda else interpreter_active()
+
+
+def tma_addressable(*tensors: torch.Tensor) -> bool:
+    """Whether the tensor memory accelerator can address these tensors: base 16-byte aligned,
+    every stride but the last a multiple of 16 bytes, the last 1, no empty dimension."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.numel() == 0:
+            return False
+        if any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def launch_key_with_tma(key, tma: bool):
+    """A launcher's cache key: the call's key and whether this launch passes descriptors."""
+    return None if key is None else (key, tma)
+
+
+def tma_descriptor(t: torch.Tensor, block, shape=None, strides=None) -> TensorDescriptor:
+    """A descriptor over `t` (or its view of `shape` and `strides`) in boxes of `block`."""
+    return TensorDescriptor(t, list(t.shape if shape is None else shape),
+                            list(t.stride() if strides is None else strides), list(block))
+
+
+def gate_up_weight_descriptor(w1: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """w1 (E, 2I, H) seen as (E, I, 2, H), in boxes of (1, block_n, 2, block_k): each box holds the
+    gate and up rows of block_n columns interleaved, gate_up_kernel's B tile."""
+    E, two_i, H = w1.shape
+    return tma_descriptor(w1, (1, block_n, 2, block_k), (E, two_i // 2, 2, H),
+                          (w1.stride(0), w1.stride(1), two_i // 2 * w1.stride(1), 1))
+
+
 def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, x, w1, h, top_k: int,
                    activation: str, device_index, h_grads=None) -> None:
     """h (layout rows, I) = act(x @ w1[e, :I].T) * (x @ w1[e, I:].T) for every pair of the layout;
@@ -120,11 +158,13 @@ def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, 
     [dh/dgate, dh/dup] = [up * act'(gate), act(gate)]."""
     g = cfg.gate_up
     H, I = x.shape[1], h.shape[1]
+    tma = cfg.tma and tma_capable(x) and tma_addressable(w1)
     _GATE_UP.launch(
-        key, (layout.num_blocks * -(-I // g.block_n), 1, 1),
-        (x, w1, h, h if h_grads is None else h_grads, layout.sorted_pairs, layout.block_expert, layout.block_rows,
+        launch_key_with_tma(key, tma), (layout.num_blocks * -(-I // g.block_n), 1, 1),
+        (x, gate_up_weight_descriptor(w1, g.block_n, g.block_k) if tma else w1, h, h if h_grads is None else h_grads,
+         layout.sorted_pairs, layout.block_expert, layout.block_rows,
          layout.num_blocks, H, I, top_k, int(h_grads is not None), x.stride(0), w1.stride(0), w1.stride(1),
-         activation, cfg.block_m, g.block_n, g.block_k, g.group_m),
+         activation, cfg.block_m, g.block_n, g.block_k, g.group_m, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=device_index)
 
 
@@ -133,10 +173,13 @@ def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, 
     """y (T * top_k, H): row p = topk_weights[p] * (h[row of p] @ w2[e].T)."""
     d = cfg.down
     H, I = y.shape[1], h.shape[1]
+    tma = cfg.tma and tma_capable(h) and tma_addressable(h, w2)
     _DOWN.launch(
-        key, (layout.num_blocks * -(-H // d.block_n), 1, 1),
-        (h, w2, y, topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks,
-         H, I, w2.stride(0), w2.stride(1), cfg.block_m, d.block_n, d.block_k, d.group_m),
+        launch_key_with_tma(key, tma), (layout.num_blocks * -(-H // d.block_n), 1, 1),
+        (tma_descriptor(h, (cfg.block_m, d.block_k)) if tma else h,
+         tma_descriptor(w2, (1, d.block_n, d.block_k)) if tma else w2, y, topk_weights, layout.sorted_pairs,
+         layout.block_expert, layout.block_rows, layout.num_blocks,
+         H, I, w2.stride(0), w2.stride(1), cfg.block_m, d.block_n, d.block_k, d.group_m, tma),
         num_warps=d.num_warps, num_stages=d.num_stages, device_index=device_index)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import torch
@@ -112,11 +113,13 @@ def sweep(args, shapes, tokens, device, dtype):
                                                        with_layout=True)
             h = torch.empty(layout.num_blocks * block_m, I, device=device, dtype=dtype)
             y = torch.empty(T * k, H, device=device, dtype=dtype)
-            for gemm, operands in (("gate_up", 2), ("down", 1)):
+            # Descriptor (TMA) loads are a candidate where the table could take them: sm90.
+            tma_options = (False, True) if info.arch_family == 90 else (False,)
+            for (gemm, operands), tma in itertools.product((("gate_up", 2), ("down", 1)), tma_options):
                 cands = [c for c in SWEEP_CANDIDATES[block_m]
                          if _fits(block_m, c, operands, element_size, info.shared_memory_per_block)]
                 for cand in cands[: 2 if args.quick else None]:
-                    cfg = configs.ExpertsConfig(block_m, configs.GemmConfig(*cand), configs.GemmConfig(*cand))
+                    cfg = configs.ExpertsConfig(block_m, configs.GemmConfig(*cand), configs.GemmConfig(*cand), tma)
                     if gemm == "gate_up":
                         fn = functools.partial(experts.launch_gate_up, None, cfg, layout, x, w1, h, k, "silu",
                                                plan.device_index)
@@ -125,7 +128,8 @@ def sweep(args, shapes, tokens, device, dtype):
                                                plan.device_index)
                     ms, error = _time_candidate(fn)
                     rows.append({"shape": name, "T": T, "bucket": _bucket_name(bound), "gemm": gemm,
-                                 "block_m": block_m, **dataclasses.asdict(cfg.gate_up), "ms": ms, "error": error})
+                                 "block_m": block_m, "tma": tma, **dataclasses.asdict(cfg.gate_up), "ms": ms,
+                                 "error": error})
         del w1, w2, x, logits
     return rows, _best_table(rows, table, info.arch_family, element_size, dtype)
 
@@ -167,17 +171,18 @@ def _best_table(rows, table, family, element_size, dtype) -> str:
         in_bucket = [r for r in ok if r["bucket"] == _bucket_name(bound)]
         num_cases = len({(r["shape"], r["T"]) for r in in_bucket})
         choice = None
-        for block_m in sorted({r["block_m"] for r in in_bucket}):
-            picked = [_least_total([r for r in in_bucket if r["block_m"] == block_m and r["gemm"] == gemm],
-                                   best_case, case, configs.GemmConfig, num_cases) for gemm in ("gate_up", "down")]
+        for block_m, tma in sorted({(r["block_m"], r.get("tma", False)) for r in in_bucket}):
+            picked = [_least_total([r for r in in_bucket if r["block_m"] == block_m and r.get("tma", False) == tma
+                                    and r["gemm"] == gemm], best_case, case, configs.GemmConfig, num_cases)
+                      for gemm in ("gate_up", "down")]
             if None in picked:
                 continue
             total = sum(score for score, _ in picked)
             if choice is None or total < choice[0]:
-                choice = (total, block_m, [cfg for _, cfg in picked])
+                choice = (total, block_m, tma, [cfg for _, cfg in picked])
         if choice is not None:
-            _, block_m, (gate_up, down) = choice
-            lines.append(f"    ({bound}, X({block_m}, G{gate_up}, G{down})),")
+            _, block_m, tma, (gate_up, down) = choice
+            lines.append(f"    ({bound}, X({block_m}, G{gate_up}, G{down}{', tma=True' if tma else ''})),")
     lines.append(")")
     return "\n".join(lines)
 

@@ -24,6 +24,14 @@ deterministic combine (combine.py).
 num_blocks_m and top_k are never value-specialised (they only index), so a build compiled for
 one token count serves every other.
 
+With TMA (sm90) the dense operands come through tensor descriptors instead of pointer loads: the
+weight tiles of both kernels and the down kernel's h tile (the gathered token rows of gate_up
+stay pointer loads). gate_up's descriptor views w1 (E, 2I, H) as (E, I, 2, H), so one box of
+(1, BLOCK_N, 2, BLOCK_K) is the interleaved gate/up B tile of the pointer path, row for row; a
+descriptor load fills what lies past I or H with zeros, as the pointer path's masks do, so the
+same tiles meet the same products and the results are the same bits. The caller passes the
+`triton.tools.tensor_descriptor.TensorDescriptor`s in the operands' pointer arguments.
+
 Launch order: programs are grouped GROUP_M row blocks at a time over all column tiles
 ("swizzled"), so the tiles in flight share an expert's weight columns and the gathered token
 rows in L2. With fp32 inputs tl.dot runs DOT_PRECISION (`device.fp32_dot_precision`: 3xTF32 or TF32).
@@ -105,9 +113,10 @@ def gate_up_kernel(
     stride_xt, stride_we, stride_wn,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn, 1);
+    """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn, 1) (TMA: a
+    descriptor of its (E, I, 2, H) view, blocks (1, BLOCK_N, 2, BLOCK_K));
     h: (num_blocks_m * BLOCK_M, I) contiguous, in x's dtype; h_grads (written when
     store_h_grads is 1): (num_blocks_m * BLOCK_M, 2I) contiguous, in x's dtype,
     [dh/dgate, dh/dup]."""
@@ -130,15 +139,19 @@ def gate_up_kernel(
     # the A tile), whose accumulator splits into gate and up in registers.
     offs_c = tl.arange(0, 2 * BLOCK_N)
     col_n = pid_n * BLOCK_N + offs_c // 2
-    w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, (offs_c % 2) * I + col_n, stride_wn, offs_k)
+    if not TMA:
+        w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, (offs_c % 2) * I + col_n, stride_wn, offs_k)
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & (col_n < I)[None, :], other=0.0), acc,
-                     input_precision=DOT_PRECISION)
+        if TMA:
+            b = tl.trans(w1_ptr.load([expert, pid_n * BLOCK_N, 0, k0]).reshape(2 * BLOCK_N, BLOCK_K))
+        else:
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & (col_n < I)[None, :], other=0.0)
+            w_ptrs += BLOCK_K
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     if store_h_grads:
         dh_dgate, dh_dup = _gated_activation_grads(acc_gate, acc_up, ACTIVATION)
@@ -160,10 +173,11 @@ def down_kernel(
     num_blocks_m, H, I,
     stride_we, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """h: (num_blocks_m * BLOCK_M, I) contiguous; w2: (E, H, I), strides (stride_we,
-    stride_wn, 1); weights: (T * top_k,) fp32 routing weights; y: (T * top_k, H) contiguous."""
+    stride_wn, 1); weights: (T * top_k,) fp32 routing weights; y: (T * top_k, H) contiguous.
+    TMA: h and w2 are descriptors, blocks (BLOCK_M, BLOCK_K) and (1, BLOCK_N, BLOCK_K)."""
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
                                                BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
@@ -171,16 +185,25 @@ def down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
-    w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
+    if TMA:
+        # The block's first layout row, from _tile's pid_m (the same arithmetic, which the
+        # compiler shares).
+        first_row = _tile_coordinates(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)[0] * BLOCK_M
+    else:
+        h_ptrs = h_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
+        w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        k_ok = offs_k < I - k0
-        a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc,
-                     input_precision=DOT_PRECISION)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if TMA:
+            a = h_ptr.load([first_row, k0])
+            b = tl.trans(w2_ptr.load([expert, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K))
+        else:
+            k_ok = offs_k < I - k0
+            a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
     y = acc * route_weight[:, None]
     tl.store(y_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
