@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_run.sh [STAGE ...]
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep decode-sweep
 #           attention-small attention-fwd attention-bwd
-#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train model moe-sweep
+#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train model model-static moe-sweep
 #           moe-bwd-sweep before-after tc tc-sweep ep moe-fp8
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
@@ -90,6 +90,8 @@ for stage in "${stages[@]}"; do
         2>&1 | tee -a "$RESULTS/tc.log" ;;
     model)  # transformers models end to end; needs transformers >= 5.17 (carry its wheels: no network there)
       bench model ${MODEL_ARGS:-} ;;
+    model-static)  # the same models' decode with a static cache, compiled into CUDA graphs (results model_static_decode)
+      bench model --static-cache --impls ours sdpa_grouped_mm ${MODEL_ARGS:-} ;;
     before-after)  # ROUNDS (2) times the throughput benchmarks from $BASELINE (an older tree: git archive REV | tar -x -C out/baseline,
                    # carried) and from this one, alternately, into $RESULTS/baseline<round> and current<round>
       for round in $(seq "${ROUNDS:-2}"); do

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher buffer starts as poison)
 
-from flashmoe_science.launch import PlanCache, last_launch
+from flashmoe_science.launch import PlanCache, clear_records, last_launch
 from flashmoe_science.moe import configs, experts, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe._kernels.offsets import wide_offset
 from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
@@ -194,6 +194,34 @@ def test_tma_forward_falls_back_where_tensors_are_not_addressable(device, poison
     assert last_launch("moe_gate_up").constexprs["TMA"] is False
     assert last_launch("moe_down").constexprs["TMA"] == has_tma(device)
     assert_same_bits(outs[False], outs[True])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_inference_is_one_op_whatever_the_token_count(device, dtype):
+    """torch.compile(fullgraph=True) with no gradient wanted (decoding under CUDA graphs): each call
+    is one `flashmoe_science::moe_experts` op, which stores nothing for a backward and whose
+    output has the input's token count, so a dynamic token count (the second size recompiles
+    with one) traces without a graph break; the eager results."""
+    E, k, H, I = 8, 2, 32, 16
+
+    def layer(x, w1, w2, weights, ids, logits):
+        return fused_experts(x, w1, w2, weights, ids), fused_moe(x, w1, w2, logits, k)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        for T in (5, 37, 300):
+            x, w1, w2 = make_layer(T, E, H, I, dtype, device)
+            logits = torch.randn(T, E, device=device)
+            weights, ids = moe_route(logits, k)
+            clear_records()
+            out = compiled(x, w1, w2, weights, ids, logits)
+            assert last_launch("moe_gate_up").constexprs["ACTIVATION"] == "silu"
+            for c, e in zip(out, layer(x, w1, w2, weights, ids, logits)):
+                assert torch.equal(c, e)
+    graph = torch._dynamo.explain(layer)(x, w1, w2, weights, ids, logits)
+    assert graph.graph_break_count == 0
+    ops = {str(n.target) for g in graph.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert "flashmoe_science.moe_experts" in ops and not any("experts_forward" in op for op in ops)
 
 
 @triton.jit

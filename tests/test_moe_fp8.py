@@ -273,3 +273,23 @@ def test_fp8_experts_match_the_quantised_reference_on_any_input(case):
         return
     rounding = _rel(ref.to(c["dtype"]), ref)
     assert _rel(out, ref) <= 2 * rounding + 1.5e-2, c
+
+
+@needs_fp8
+def test_compiled_fp8_inference_equals_eager():
+    """Under torch.compile(fullgraph=True) with no gradient wanted, fused_experts and fused_moe
+    with FP8 weights are one `flashmoe_science::moe_experts` op each: the eager results."""
+    x, w1, w2, logits = _layer(9, 4, 128, 128, 2, seed=2)
+    x = x.to(torch.bfloat16)
+    weights, ids = moe_route(logits, 2)
+    (q1, s1), (q2, s2) = quantize_fp8_blockwise(w1), quantize_fp8_blockwise(w2)
+
+    def layer(x, weights, ids, logits):
+        return (fused_experts(x, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, block_shape=(128, 128)),
+                fused_moe(x, q1, q2, logits, 2, w1_scale=s1, w2_scale=s2, block_shape=(128, 128)))
+
+    with torch.no_grad():
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, weights, ids, logits)
+        eager = layer(x, weights, ids, logits)
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c, e)

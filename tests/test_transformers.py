@@ -109,12 +109,35 @@ def test_generation_of_a_left_padded_batch_gives_eager_logits(cache):
         assert rel(logits, ref_logits) < 1e-5, step
 
 
+def test_static_cache_mask_has_one_shape_for_the_whole_generation():
+    """Our mask function: flash-attn's masks with a dynamic cache (None when nothing is padded);
+    with a static cache (a padding mask shorter than the keys) one (B, 2, cache length) shape
+    whatever the step, holding the mask and the filled slots, and returned as it is when asked
+    again (transformers asks once before the compiled step and once inside it)."""
+    from flashmoe_science.integrations.transformers import fms_attention_mask
+
+    full = torch.ones(2, 12, dtype=torch.bool)
+    assert fms_attention_mask(2, 1, 12, attention_mask=full) is None
+    padded = full.clone()
+    padded[0, :3] = False
+    assert torch.equal(fms_attention_mask(2, 1, 12, attention_mask=padded), padded)
+    for filled in (6, 7, 11):
+        mask = padded[:, :filled]
+        static = fms_attention_mask(2, 1, 12, attention_mask=mask)
+        assert static.shape == (2, 2, 12) and static.dtype == torch.bool
+        assert torch.equal(static[:, 0, :filled], mask) and not static[:, 0, filled:].any()
+        assert torch.equal(static[:, 1], (torch.arange(12) < filled).expand(2, -1))
+        assert fms_attention_mask(2, 1, 12, attention_mask=static) is static
+
+
+@pytest.mark.parametrize("form", ["short", "static"])
 @pytest.mark.parametrize("hole", [False, True])
-def test_decoding_attention_takes_each_sequence_from_its_start_or_packs_a_mask_with_holes(hole):
-    """A decode step's attention with a 2-D padding mask shorter than the keys (a static cache):
-    left padding runs the KV-cache kernels on the keys in place; a mask with a hole (not a
-    sequence start per row) packs the valid tokens instead. Both against SDPA with the mask."""
-    from flashmoe_science.integrations.transformers import fms_attention_forward
+def test_decoding_attention_takes_each_sequence_from_its_start_or_packs_a_mask_with_holes(hole, form):
+    """A decode step's attention with a static cache's padding mask, as a 2-D mask shorter than the
+    keys or in the fixed-shape form our mask function gives (static_cache_mask): left padding
+    runs the KV-cache kernels on the keys in place; a mask with a hole (not a sequence start per
+    row) packs the valid tokens instead. Both against SDPA with the mask."""
+    from flashmoe_science.integrations.transformers import fms_attention_forward, static_cache_mask
 
     module = torch.nn.Module()
     module.is_causal = True
@@ -125,7 +148,7 @@ def test_decoding_attention_takes_each_sequence_from_its_start_or_packs_a_mask_w
     if hole:
         mask[1, 2:4] = False
     clear_records()
-    out, _ = fms_attention_forward(module, query, key, value, mask)
+    out, _ = fms_attention_forward(module, query, key, value, mask if form == "short" else static_cache_mask(mask, 10))
     ran_decode = last_launch("attention_decode_split") is not None
     assert ran_decode != hole and (last_launch("attention_forward") is not None) == hole
     keys_mask = torch.cat([mask, torch.zeros(2, 2, dtype=torch.bool, device=DEVICE)], 1)  # slots 8, 9: unfilled
@@ -186,6 +209,11 @@ def test_bench_model_runs_tiny_configurations_through_the_interpreter():
     assert [r["impl"] for r in result["rows"]] == ["ours", "eager"]
     assert all("error" not in r and r["train_tokens_per_s"] > 0 for r in result["rows"])
     assert "qwen3-30b-a3b ours" in model.summarize(result)
+    args.static_cache = True
+    result = model.run(args)
+    assert result["name"] == "model_static_decode"
+    assert all("error" not in r and r["decode_b1_tokens_per_s"] > 0 and "train_tokens_per_s" not in r
+               for r in result["rows"])
 
 
 def _fp8_experts_module(block_size):

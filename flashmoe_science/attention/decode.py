@@ -121,8 +121,7 @@ class DecodePlan:
     """What a call's shapes, strides, dtypes and options decide: tiles, splits, grids, workspace."""
 
     __slots__ = ("config", "rows", "block_m", "rows_padded", "num_splits", "split_len", "split_grid",
-                 "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index",
-                 "no_leftpad")
+                 "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index")
 
     def __init__(self, q, k_cache, block_table, causal, window_size, num_splits, config=None):
         """`config` (an AttentionConfig) replaces the table's, for the tuning sweep."""
@@ -146,8 +145,6 @@ class DecodePlan:
         self.window = kernel_window(causal, window_size)
         self.page_size = k_cache.shape[1] if block_table is not None else 0
         self.device_index = q.device.index if q.device.type == "cuda" else None
-        # An int32 pointer for the kernels' cache_leftpad argument when there is none (never read).
-        self.no_leftpad = torch.zeros(1, dtype=torch.int32, device=q.device)
 
 
 def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
@@ -207,14 +204,20 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
                            dtype=torch.float32, device=q.device)
     lengths, cache_len, lengths_tensor = _lengths(cache_seqlens, lse_part)
     table = block_table if block_table is not None else lse_part
+    has_leftpad = int(cache_leftpad is not None)
+    if cache_leftpad is None:
+        # An int32 pointer for the kernels' cache_leftpad argument, never read: cache_seqlens, or a
+        # fresh one-element buffer. Never a tensor a plan keeps: one made while torch.compile's
+        # CUDA graphs record would stay alive in their memory pool, which they refuse.
+        cache_leftpad = lengths if lengths_tensor else torch.empty(1, dtype=torch.int32, device=q.device)
     lse_arg, lse_strides = (lse, (lse.stride(0), lse.stride(1))) if write_lse else (lse_part, (0, 0))
     _SPLIT.launch(key, plan.split_grid,
                   (q, k_cache, v_cache, o_part, lse_part, out, lse_arg, lengths,
-                   plan.no_leftpad if cache_leftpad is None else cache_leftpad, table, scale * LOG2E,
+                   cache_leftpad, table, scale * LOG2E,
                    scale / softcap if softcap else 0.0, softcap * LOG2E, *q.stride()[:3], *k_cache.stride()[:3],
                    *v_cache.stride()[:3], *out.stride()[:3], *lse_strides,
                    block_table.stride(0) if block_table is not None else 0, heads_kv,
-                   heads_q // heads_kv, seqlen_q, seqlen_new, cache_len, int(cache_leftpad is not None), plan.capacity,
+                   heads_q // heads_kv, seqlen_q, seqlen_new, cache_len, has_leftpad, plan.capacity,
                    k_cache.shape[0], plan.rows,
                    plan.rows_padded, plan.split_len, plan.num_splits, *plan.window, head_dim, plan.block_d,
                    plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor, single, write_lse),

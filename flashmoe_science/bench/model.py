@@ -9,6 +9,10 @@ Measured per model and implementation:
 - train: one step (forward, loss, backward, AdamW) at batch x --seqlen tokens, in tokens/s;
 - prefill: the forward of the same batch without gradients, in ms;
 - decode: `generate` of --new-tokens tokens after a short prompt at batch 1 and 32, tokens/s.
+With --static-cache, only the decode, with a static cache (`cache_implementation="static"`, which
+transformers compiles with torch.compile(mode="reduce-overhead"): each step replays CUDA graphs),
+at batch 1 and 32, written as results model_static_decode: the way to serve without the host
+time of eager decoding.
 Times are medians of CUDA-event-timed repetitions after warm-up. On a machine without a GPU a
 tiny configuration of each family runs once through the interpreter to exercise the code, and
 the timings mean nothing.
@@ -46,6 +50,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="layers of every model (default: each model's)")
     parser.add_argument("--seqlen", type=int, default=4096, help="tokens per sequence of the train and prefill runs")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens each decode run generates")
+    parser.add_argument("--static-cache", action="store_true",
+                        help="only decode with a static cache, compiled into CUDA graphs by transformers "
+                             "(results model_static_decode)")
     parser.add_argument("--profile", action="store_true",
                         help="also break one training step's GPU time down by kernel kind (torch.profiler)")
 
@@ -145,11 +152,20 @@ def _measure(model, batch, seqlen, new_tokens, vocab, device, repeats, profile=F
         row["train_profile"] = _profile(train_step)
     model.eval()
     row["prefill_ms"] = _timed(prefill, repeats)
+    row.update(_decode(model, new_tokens, vocab, device, repeats))
+    return row
+
+
+def _decode(model, new_tokens, vocab, device, repeats, cache=None):
+    """Tokens/s of `generate` at batch 1 and 32 (the CPU: 1), with transformers' default cache or
+    `cache` ("static": compiled into CUDA graphs by transformers on a GPU; the warm-up call compiles)."""
+    row = {}
     for decode_batch in ((1, 32) if device.type == "cuda" else (1,)):
         prompt = torch.randint(0, vocab, (decode_batch, PROMPT), device=device)
 
         def generate(prompt=prompt):
-            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           cache_implementation=cache)
 
         ms = _timed(generate, repeats)  # host-bound and noisy: the median of as many runs as the rest
         row[f"decode_b{decode_batch}_tokens_per_s"] = decode_batch * new_tokens / ms * 1e3
@@ -186,8 +202,15 @@ def run(args) -> dict:
             row = dict(model=name, impl=impl, attn_implementation=attn, experts_implementation=experts,
                        layers=config.num_hidden_layers, batch=batch, seqlen=seqlen, new_tokens=new_tokens)
             try:
-                row.update(_measure(model, batch, seqlen, new_tokens, config.vocab_size, device, repeats,
-                                    profile=args.profile))
+                if args.static_cache:
+                    # Each model compiles from scratch: the compiled step's code is shared by every model,
+                    # and guards piling up from earlier ones would reach dynamo's recompile limit (eager).
+                    torch._dynamo.reset()
+                    model.eval()
+                    row.update(_decode(model, new_tokens, config.vocab_size, device, repeats, cache="static"))
+                else:
+                    row.update(_measure(model, batch, seqlen, new_tokens, config.vocab_size, device, repeats,
+                                        profile=args.profile))
             except (RuntimeError, NotImplementedError) as exc:  # out of memory, or a path a backend lacks
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -195,11 +218,11 @@ def run(args) -> dict:
             del model
             if gpu:
                 torch.cuda.empty_cache()
-    meta = {"mode": "model", "dtype": str(dtype).replace("torch.", ""), "transformers": transformers.__version__,
-            "interpreter": interpreter_active()}
+    meta = {"mode": "static-cache decode" if args.static_cache else "model", "dtype": str(dtype).replace("torch.", ""),
+            "transformers": transformers.__version__, "interpreter": interpreter_active()}
     if not gpu:
         meta["note"] = "no GPU: tiny configurations through Triton's interpreter; the timings mean nothing"
-    return {"name": "model", "rows": rows, "meta": meta}
+    return {"name": "model_static_decode" if args.static_cache else "model", "rows": rows, "meta": meta}
 
 
 def summarize(result: dict) -> str:
@@ -209,6 +232,9 @@ def summarize(result: dict) -> str:
             lines.append(f"  {r['model']} {r['impl']} | {r['error']}")
             continue
         decode = ", ".join(f"{r[k]:.1f}" for k in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s") if k in r)
+        if "train_tokens_per_s" not in r:  # --static-cache: decode alone
+            lines.append(f"  {r['model']} {r['impl']} | | | {decode} (static cache)")
+            continue
         lines.append(f"  {r['model']} {r['impl']} | {r['train_tokens_per_s']:.0f} | {r['prefill_ms']:.1f} | {decode}")
         if "train_profile" in r:
             kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in r["train_profile"]["ms_by_kind"].items())

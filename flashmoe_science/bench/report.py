@@ -325,6 +325,26 @@ def render_model(name: str, result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_model_static_decode(name: str, result: dict) -> str:
+    """`generate` with a static cache, compiled into CUDA graphs by transformers: per model, each
+    implementation's tokens/s at batch 1 and 32 (ours with its ratio to sdpa + grouped_mm)."""
+    rows = result["rows"]
+    out = [_source_line(name, result["meta"]).rstrip("\n") + f" _transformers {result['meta'].get('transformers')}._",
+           "", "| model (layers) | implementation | decode batch 1, tokens/s | decode batch 32, tokens/s |",
+           "|---|---|---|---|"]
+    base = {r["model"]: r for r in rows if r["impl"] == "sdpa_grouped_mm" and "error" not in r}
+    for r in rows:
+        shape, impl = f"{r['model']} ({r['layers']})", f"{r['attn_implementation']} + {r['experts_implementation']}"
+        if "error" in r:
+            out.append(f"| {shape} | {impl} | {r['error'].split(':')[0]} | |")
+            continue
+        theirs = base.get(r["model"]) if r["impl"] != "sdpa_grouped_mm" else None
+        out.append(f"| {shape} | {impl} | " + " | ".join(
+            f"{_fmt(r.get(key), 0)}{_model_ratio(r, theirs, key) if theirs else ''}"
+            for key in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s")) + " |")
+    return "\n".join(out) + "\n"
+
+
 _EP_NAMES = {"ours": "ours", "ours_chunked": "ours, pipelined in chunks", "ours_capacity": "ours, fixed capacity",
              "reference": "all_to_all + grouped_mm"}
 
@@ -371,6 +391,8 @@ def render(name: str, result: dict) -> str:
         return render_attention(name, result)
     if name == "model":
         return render_model(name, result)
+    if name == "model_static_decode":
+        return render_model_static_decode(name, result)
     if name == "moe_fp8":
         return render_moe_fp8(name, result)
     if name in ("moe", "moe_fwd_bwd"):
@@ -472,6 +494,19 @@ def render_headline(results_dir) -> str:
                            + " / ".join(f"{ours[k]:.0f}" for k in keys) + " tokens/s | "
                            + " / ".join(f"{theirs[k]:.0f}" for k in keys) + " (sdpa + grouped_mm) | "
                            + " / ".join(f"{ours[k] / theirs[k]:.2f}x" for k in keys) + " | `model.json` |")
+    result = _load(results_dir, "model_static_decode")
+    if result is not None:
+        gpus.append(result["meta"].get("gpu") or "CPU")
+        rows = {(r["model"], r["impl"]): r for r in result["rows"] if "error" not in r}
+        keys = ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s")
+        for (model, impl), ours in rows.items():
+            theirs = rows.get((model, "sdpa_grouped_mm"))
+            if impl != "ours" or theirs is None or not all(k in ours and k in theirs for k in keys):
+                continue
+            out.append(f"| transformers decode, static cache + CUDA graphs | {model}, batch 1 / 32 | "
+                       + " / ".join(f"{ours[k]:.0f}" for k in keys) + " tokens/s | "
+                       + " / ".join(f"{theirs[k]:.0f}" for k in keys) + " (sdpa + grouped_mm) | "
+                       + " / ".join(f"{ours[k] / theirs[k]:.2f}x" for k in keys) + " | `model_static_decode.json` |")
     result = _load(results_dir, "ep_4gpu")
     if result is not None:
         gpus.append(result["meta"].get("gpu") or "CPU")

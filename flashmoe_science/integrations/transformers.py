@@ -9,11 +9,16 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
 - Attention (`fms_attention_forward`): query, key, value (B, H, S, D) as transformers passes
   them, GQA without repeating K and V; causal (bottom-right) and sliding windows without a dense
   mask; a padded batch (the 2-D padding mask `flash_attention_mask` leaves when some token is
-  padding, or a static cache is) through `flash_attention_varlen` on the unpadded tokens;
-  decoding with the cache (one query against the cached keys) through the split-KV kernels that
-  `flash_attention_science` picks for short queries, and for a left-padded batch or a static
-  cache `flash_attention_with_kvcache` on the keys in place, each sequence from its first
-  unpadded slot. Dropout in training, attention sinks and dense masks raise a clear error.
+  padding) through `flash_attention_varlen` on the unpadded tokens; decoding with the cache (one
+  query against the cached keys) through the split-KV kernels that `flash_attention_science`
+  picks for short queries, and for a left-padded batch or a static cache
+  `flash_attention_with_kvcache` on the keys in place, each sequence from its first unpadded
+  slot. Dropout in training, attention sinks and dense masks raise a clear error.
+- Mask (`fms_attention_mask`): `flash_attention_mask`'s, except with a static cache: there the
+  padding mask covers the tokens so far, one longer each step, and a mask whose shape changed
+  every step would make torch.compile record a new CUDA graph for each. It becomes a (B, 2,
+  cache length) bool tensor instead, [padding mask padded with False; which slots are filled],
+  one shape for the whole generation (`static_cache_mask`).
 - Experts (`fms_experts_forward`): `fused_experts` on the module's own `gate_up_proj` (E, 2I, H:
   gate rows then up rows) and `down_proj` (E, H, I), forward and backward, with the model's
   router (its top-k ids and weights). Experts our kernels cannot express (transposed or
@@ -44,16 +49,57 @@ def register() -> None:
     """Registers "fms" for attention, its mask and experts with transformers (idempotent)."""
     from transformers import AttentionInterface
     from transformers.integrations.moe import ExpertsInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, fms_attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, fms_attention_mask)
     ExpertsInterface.register(NAME, fms_experts_forward)
     try:  # FP8 checkpoints (FineGrainedFP8 quantisation; transformers with FP8 experts)
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     except ImportError:
         return
     FP8ExpertsInterface.register(NAME, fms_fp8_experts_forward)
+
+
+def fms_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                       attention_mask=None, **kwargs):
+    """transformers' mask function for "fms": None or the 2-D padding mask, as for flash-attn; with
+    a static cache (a padding mask shorter than the keys) the fixed-shape `static_cache_mask`. A
+    mask already in that form (transformers makes the mask before the compiled step, and the step
+    asks again) comes back as it is."""
+    from transformers.masking_utils import flash_attention_mask
+
+    if attention_mask is not None and attention_mask.dim() == 3:
+        return attention_mask
+    mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                **kwargs)
+    if mask is None or mask.shape[1] >= kv_length:
+        return mask
+    return static_cache_mask(mask, kv_length)
+
+
+def static_cache_mask(mask: torch.Tensor, cache_length: int) -> torch.Tensor:
+    """(B, 2, cache_length) bool: row 0 the padding mask of the B x filled tokens so far, False past
+    them; row 1 which cache slots are filled (the first `filled`)."""
+    batch, filled = mask.shape
+    slots = torch.arange(cache_length, device=mask.device) < filled
+    return torch.stack([F.pad(mask, (0, cache_length - filled), value=False), slots.expand(batch, -1)], 1)
+
+
+def _split_mask(mask, seqlen_q: int, seqlen_k: int):
+    """(key_mask (B, K), filled, q_mask (B, Sq)) of a padding mask in either form: which of the first
+    K <= seqlen_k key slots hold unpadded tokens (slots past the filled ones: False), how many
+    slots are filled (an int, or an int32 (B,) tensor for the static-cache form), and which
+    queries are unpadded tokens (the queries are the last seqlen_q filled slots)."""
+    if mask.dim() == 3:
+        if mask.shape[2] != seqlen_k:
+            raise ValueError(f"a static-cache mask of {mask.shape[2]} slots for {seqlen_k} cached keys")
+        key_mask = mask[:, 0]
+        filled = mask[:, 1].sum(1, dtype=torch.int32)
+        positions = (filled[:, None] - seqlen_q + torch.arange(seqlen_q, device=mask.device)).clamp_min(0)
+        return key_mask, filled, key_mask.gather(1, positions.long())
+    mask = mask[:, -seqlen_k:]
+    return mask, mask.shape[1], mask[:, -seqlen_q:]
 
 
 def _unsupported(what: str) -> NotImplementedError:
@@ -75,9 +121,9 @@ def fms_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if attention_mask is None:
         out = flash_attention_science(query, key, value, causal, **options)
         return out.transpose(1, 2), None
-    if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
-        raise _unsupported(f"a {attention_mask.dim()}-D {attention_mask.dtype} attention mask (only the 2-D padding "
-                           f"mask of its '{NAME}' mask function)")
+    if attention_mask.dim() not in (2, 3) or attention_mask.dtype != torch.bool:
+        raise _unsupported(f"a {attention_mask.dim()}-D {attention_mask.dtype} attention mask (only the padding "
+                           f"masks of its '{NAME}' mask function)")
     out = _left_padded_short_queries(query, key, value, attention_mask, causal, options)
     if out is None:
         out = _padded_attention(query, key, value, attention_mask, causal, options)
@@ -97,10 +143,13 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
     if (not causal or seqlen_q * (heads_q // key.shape[1]) > DECODE_MAX_BLOCK_M[query.element_size()]
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))):
         return None
-    mask = mask[:, -seqlen_k:]
-    filled = mask.shape[1]  # shorter than the keys with a static cache: the slots past it are unfilled
+    mask, filled, _ = _split_mask(mask, seqlen_q, seqlen_k)  # a static cache: slots past `filled` are unfilled
     leftpad = filled - mask.sum(1, dtype=torch.int32)
-    left_padding = (mask == (torch.arange(filled, device=mask.device) >= leftpad[:, None])).all(1)
+    slots = torch.arange(mask.shape[1], device=mask.device)
+    started = slots >= leftpad[:, None]
+    if isinstance(filled, torch.Tensor):
+        started = started & (slots < filled[:, None])
+    left_padding = (mask == started).all(1)
     if torch.compiler.is_compiling():
         # Nothing read back under torch.compile: a sequence whose mask has a hole gets a start out of
         # range, which makes its outputs NaN (visible), never another sequence's attention.
@@ -117,8 +166,7 @@ def _padded_attention(query, key, value, mask, causal, options):
     A mask shorter than the keys comes with a static cache: the keys past it are unfilled slots."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
-    q_mask = mask[:, -seqlen_q:]
-    mask = mask[:, -seqlen_k:]
+    mask, _, q_mask = _split_mask(mask, seqlen_q, seqlen_k)
     if mask.shape[1] < seqlen_k:
         mask = F.pad(mask, (0, seqlen_k - mask.shape[1]), value=False)
     k_index = mask.flatten().nonzero().squeeze(1)

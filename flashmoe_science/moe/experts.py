@@ -277,13 +277,18 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         out: (T, H) in hidden_states' dtype; (0, H) when T = 0. The result is deterministic: a
         token's k expert outputs are summed in fp32 in the order j = 0..k-1.
 
-    Gradients: when autograd records and an input requires grad, or under torch.compile, the
-    call runs the custom op `flashmoe_science::moe_experts_forward`, which also keeps the
-    layout, h and the activation's derivatives for the backward kernels (see backward.py for
-    what is stored and what is recomputed). Gradients of topk_weights come back in its dtype;
-    dropped slots get zero. Other calls take the lean path, which stores nothing.
+    Gradients: when autograd records and an input requires grad, eager or compiled, the call
+    runs the custom op `flashmoe_science::moe_experts_forward`, which also keeps the layout, h
+    and the activation's derivatives for the backward kernels (see backward.py for what is
+    stored and what is recomputed). Gradients of topk_weights come back in its dtype; dropped
+    slots get zero. Other calls take the lean path, which stores nothing; under torch.compile,
+    through the custom op `flashmoe_science::moe_experts` (FP8 weights too).
     """
-    if w1_scale is not None or w2_scale is not None or getattr(w1, "dtype", None) == fp8.FP8_DTYPE:
+    fp8_weights = w1_scale is not None or w2_scale is not None or getattr(w1, "dtype", None) == fp8.FP8_DTYPE
+    if torch.compiler.is_compiling() and not routing.needs_gradient(hidden_states, w1, w2, topk_weights):
+        return _inference_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale,
+                             block_shape, fp8_weights)
+    if fp8_weights:
         return _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, block_shape,
                             activation)
     if block_shape is not None:
@@ -314,9 +319,25 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)[0]
 
 
+def _inference_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape,
+                  fp8_weights: bool):
+    """`fused_experts` traced by torch.compile with no gradient wanted: the arguments checked as far
+    as shapes and dtypes tell, then one `flashmoe_science::moe_experts` op."""
+    if fp8_weights:
+        fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
+    elif block_shape is not None:
+        raise ValueError("block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, "
+                         "w2_scale)")
+    else:
+        _check_experts_args(hidden_states, w1, w2, activation)
+    _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
+    return torch.ops.flashmoe_science.moe_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale,
+                                                  w2_scale, None if block_shape is None else list(block_shape))
+
+
 def _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, block_shape, activation):
     """`fused_experts` with FP8 weights (fp8.py): checked once per shape, scales every call."""
-    if routing.records_autograd(hidden_states, topk_weights):
+    if routing.needs_gradient(hidden_states, topk_weights):
         raise RuntimeError("FP8 experts are for inference: call them under torch.no_grad() (hidden_states or "
                            "topk_weights requires grad)")
     try:
@@ -414,13 +435,17 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
     """
     if w1_scale is not None or w2_scale is not None or getattr(w1, "dtype", None) == fp8.FP8_DTYPE:
         weights, ids = routing.moe_route(router_logits, top_k, renormalize=renormalize, scoring=scoring)
-        return _fp8_experts(hidden_states, w1, w2, weights, ids, w1_scale, w2_scale, block_shape, activation)
+        return fused_experts(hidden_states, w1, w2, weights, ids, activation=activation, w1_scale=w1_scale,
+                             w2_scale=w2_scale, block_shape=block_shape)
     if block_shape is not None:
         raise ValueError("block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, "
                          "w2_scale)")
     if routing.records_autograd(hidden_states, w1, w2, router_logits):
         _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
         weights, ids = torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
+        if not routing.needs_gradient(hidden_states, w1, w2, router_logits):  # compiled inference
+            return torch.ops.flashmoe_science.moe_experts(hidden_states, w1, w2, weights, ids, activation, None, None,
+                                                          None)
         return torch.ops.flashmoe_science.moe_experts_forward(hidden_states, w1, w2, weights, ids, activation)[0]
     try:
         key = _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)

@@ -5,6 +5,9 @@
 - `flashmoe_science::moe_experts_forward` (hidden_states, w1, w2, topk_weights, topk_ids ->
   out and what the backward needs: h, the activation's derivatives and the layout) with its
   backward `flashmoe_science::moe_experts_backward` (the kernels of backward.py).
+- `flashmoe_science::moe_experts` (the same, and FP8 weights with their scales -> out): what a
+  compiled graph calls where no gradient is wanted (inference, decoding under CUDA graphs): it
+  stores nothing for a backward, and its output's shape is the input's, whatever the token count.
 
 Each has a fake implementation that allocates outputs with exactly the real ones' shapes,
 dtypes and strides (the layout's size follows from the shapes and the configuration table),
@@ -13,7 +16,7 @@ graph break and without running a kernel, forward and backward. `fused_moe`, `fu
 and `moe_route` call these ops when autograd records or torch.compile traces; other calls
 take the lean cached-plan path.
 """
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -76,6 +79,21 @@ def _experts_forward_fake(hidden_states, w1, w2, topk_weights, topk_ids, activat
     new = hidden_states.new_empty
     return (new((T, H)), new((rows, inter)), new((rows, 2 * inter)), topk_ids.new_empty((rows,)),
             topk_ids.new_empty((num_blocks,)), topk_ids.new_empty((num_blocks,)))
+
+
+@torch.library.custom_op("flashmoe_science::moe_experts", mutates_args=())
+def experts_inference_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                         activation: str, w1_scale: Optional[Tensor], w2_scale: Optional[Tensor],
+                         block_shape: Optional[List[int]]) -> Tensor:
+    """`experts.fused_experts` without gradients (its lean path; FP8 weights with their scales)."""
+    return experts.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation,
+                                 w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape)
+
+
+@experts_inference_op.register_fake
+def _experts_inference_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale,
+                            block_shape):
+    return hidden_states.new_empty((hidden_states.shape[0], w2.shape[1]))
 
 
 @torch.library.custom_op("flashmoe_science::moe_experts_backward", mutates_args=())

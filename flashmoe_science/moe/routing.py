@@ -197,14 +197,19 @@ class _RoutePlan:
 _PLANS = PlanCache()
 
 
-def records_autograd(*tensors) -> bool:
-    """Whether a call must go through the MoE custom ops (ops.py): torch.compile traces it, or
-    autograd records and one of `tensors` requires grad. Other calls take the lean paths."""
+def needs_gradient(*tensors) -> bool:
+    """Whether autograd records and one of `tensors` requires grad."""
     if torch.is_grad_enabled():
         for t in tensors:  # a loop, not any(): this runs on every call of the lean paths
             if getattr(t, "requires_grad", False):
                 return True
-    return torch.compiler.is_compiling()
+    return False
+
+
+def records_autograd(*tensors) -> bool:
+    """Whether a call must go through the MoE custom ops (ops.py): torch.compile traces it, or
+    autograd records and one of `tensors` requires grad. Other calls take the lean paths."""
+    return needs_gradient(*tensors) or torch.compiler.is_compiling()
 
 
 def moe_route(router_logits, top_k, *, renormalize=True, scoring="softmax"):
