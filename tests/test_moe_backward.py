@@ -8,11 +8,11 @@ import functools
 import pytest
 import torch
 from test_moe_configs import _launched_build
-from test_moe_experts import make_layer, rel_error
+from test_moe_experts import config_forcer, has_tma, make_layer, rel_error
 from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher buffer starts as poison)
 
 from flashmoe_science.device import SUPPORTED_TARGETS, info_for
-from flashmoe_science.launch import PlanCache, clear_records, last_launch
+from flashmoe_science.launch import clear_records, last_launch
 from flashmoe_science.moe import backward as moe_backward
 from flashmoe_science.moe import builds, configs, experts, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.reference import fused_experts_torch, fused_moe_torch
@@ -220,19 +220,8 @@ def test_hopper_prefill_backward_gemms_use_wgmma(compiled_rows):
 
 @pytest.fixture
 def forced_backward(monkeypatch):
-    """force(change): the backward runs change(the table's BackwardConfig) from here on (plans
-    keep their configuration, so each force starts an empty plan cache)."""
-    table = configs.backward_config
-
-    def force(change):
-        monkeypatch.setattr(moe_backward, "_PLANS", PlanCache())
-        monkeypatch.setattr(configs, "backward_config", lambda *args: change(table(*args)))
-    return force
-
-
-def has_tma(device) -> bool:
-    """Whether the backward can take its TMA path on `device` (the interpreter emulates it)."""
-    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
+    """force(change): the backward runs change(the table's BackwardConfig) from here on."""
+    return config_forcer(monkeypatch, moe_backward, "_PLANS", "backward_config")
 
 
 def experts_gradients(x, w1, w2, weights, ids, grad_out):

@@ -128,16 +128,21 @@ def test_strided_inputs(device):
     assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
 
 
-@pytest.fixture
-def forced_experts_config(monkeypatch):
-    """force(change): the forward runs change(the table's ExpertsConfig) from here on (plans keep
-    their configuration, so each force starts an empty plan cache)."""
-    table = configs.experts_config
+def config_forcer(monkeypatch, plans_owner, plans_name: str, table_name: str):
+    """force(change): calls run change(what configs.<table_name> picks) from here on (plans keep
+    their configuration, so each force starts an empty plans_owner.<plans_name> cache)."""
+    table = getattr(configs, table_name)
 
     def force(change):
-        monkeypatch.setattr(experts, "_EXPERTS_PLANS", PlanCache())
-        monkeypatch.setattr(configs, "experts_config", lambda *args: change(table(*args)))
+        monkeypatch.setattr(plans_owner, plans_name, PlanCache())
+        monkeypatch.setattr(configs, table_name, lambda *args: change(table(*args)))
     return force
+
+
+@pytest.fixture
+def forced_experts_config(monkeypatch):
+    """force(change): the forward runs change(the table's ExpertsConfig) from here on."""
+    return config_forcer(monkeypatch, experts, "_EXPERTS_PLANS", "experts_config")
 
 
 def has_tma(device) -> bool:
