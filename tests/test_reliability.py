@@ -318,7 +318,62 @@ def _opcheck_cases(device):
         (moe_ops.experts_forward_op, (x, w1, w2, weights.detach().requires_grad_(), ids, "silu")),
         (moe_ops.experts_backward_op, (torch.randn(9, 32, device=device), x.detach(), w1.detach(), w2.detach(),
                                        weights.detach(), ids, *(t.detach() for t in saved[1:]), True, True)),
+        (moe_ops.experts_inference_op, (x.detach(), w1.detach(), w2.detach(), weights.detach(), ids, "silu", None,
+                                        None, None)),
+        (attention_ops.attention_with_kvcache, (torch.randn(2, 1, 4, 16, device=device),
+                                                torch.randn(2, 12, 2, 16, device=device),
+                                                torch.randn(2, 12, 2, 16, device=device),
+                                                torch.randn(2, 1, 2, 16, device=device),
+                                                torch.randn(2, 1, 2, 16, device=device),
+                                                torch.tensor([5, 11], dtype=torch.int32, device=device), None, None,
+                                                True, None, -1, -1, 0.0, 0)),
     ]
+
+
+def _tensors_in(obj, seen=None):
+    """Every torch.Tensor reachable from obj's attributes, slots, tuples, lists and dicts."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        children = [*obj.keys(), *obj.values()]
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        children = list(obj)
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+        children += [getattr(obj, name) for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())
+                     if hasattr(obj, name)]
+    return [t for child in children for t in _tensors_in(child, seen)]
+
+
+def test_plans_keep_no_tensors(device):
+    """What the plan caches keep from call to call holds no tensor: a device tensor a plan made
+    while torch.compile's CUDA graphs recorded would stay in their memory pool, which they
+    refuse (the KV-cache plan once kept a placeholder, and static-cache generation failed)."""
+    import gc
+    import warnings
+
+    from flashmoe_science import flash_attention_with_kvcache
+    from flashmoe_science.launch import PlanCache
+
+    for op, args in _opcheck_cases(device):  # a call of every op, and of the lean paths below
+        op(*args)
+    q = torch.randn(2, 1, 4, 16, device=device)
+    cache = torch.randn(4, 16, 2, 16, device=device)
+    flash_attention_with_kvcache(q, cache, cache, cache_seqlens=7, block_table=torch.tensor([[0, 1], [2, 3]],
+                                 dtype=torch.int32, device=device))
+    x = torch.randn(5, 32, device=device)
+    w1, w2 = torch.randn(4, 32, 32, device=device), torch.randn(4, 32, 16, device=device)
+    fused_moe(x, w1, w2, torch.randn(5, 4, device=device), 2)
+    with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        caches = [o for o in gc.get_objects() if isinstance(o, PlanCache) and o]
+    assert len(caches) >= 4
+    for plans in caches:
+        assert not _tensors_in(plans), [type(p).__name__ for p in plans.values() if _tensors_in(p)]
 
 
 @pytest.mark.slow
