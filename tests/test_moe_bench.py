@@ -158,3 +158,18 @@ def test_scaled_grouped_mm_reference_pads_groups_and_restores_token_order(monkey
     ref = fused_moe_torch(x.double(), w1.double(), w2.double(), logits.double(), 2)
     assert ((out.double() - ref).norm() / ref.norm()) < 0.12
     assert all(int(v) % 16 == 0 for v in seen[0]) and len(seen) == 2
+
+
+def test_fwd_bwd_table_reports_peak_memory_where_measured():
+    """The forward+backward table adds each implementation's peak memory (measured on a GPU) as
+    a second table, and leaves it out where no row has it (the CPU)."""
+    from flashmoe_science.bench.report import render
+
+    rows = [dict(shape="tiny", E=4, top_k=2, H=64, I=32, T=5, impl=impl, ms=1.0, tflops=1.0, peak_extra_mib=mib)
+            for impl, mib in (("ours", 12.0), ("gmm", 30.0))]
+    meta = {"gpu": "GPU", "command": "bench moe --mode fwd+bwd"}
+    text = render("moe_fwd_bwd", {"rows": rows, "meta": meta})
+    assert "| model | T | ours | grouped-mm |" in text and "| tiny | 5 | 12 | 30 |" in text
+    for r in rows:
+        del r["peak_extra_mib"]
+    assert "Peak memory" not in render("moe_fwd_bwd", {"rows": rows, "meta": meta})

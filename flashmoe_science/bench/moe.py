@@ -247,6 +247,17 @@ def _forward_backward(impl, inputs, top_k, grad_out):
     return lambda: torch.autograd.grad(forward(*inputs, top_k), inputs, grad_out)
 
 
+def _peak_extra_mib(fn) -> float:
+    """MiB that one call of `fn` allocates at its peak beyond what was allocated before it (its
+    activations, saved tensors, gradients and temporaries; the inputs not counted)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def _gradient_errors(impls, shape, w1, w2, generator) -> dict:
     """Per implementation, the relative error of each gradient on REFERENCE_TOKENS tokens against
     float64 autograd through the formula (fp32 logits: every implementation routes alike)."""
@@ -291,6 +302,8 @@ def _bench_fwd_bwd_shape(args, name, shape, tokens, impls, device, dtype, genera
                    "tflops": flops / (timing.median_ms * 1e-3) / 1e12,
                    "rel_error": max(errors[impl].values()), "torch_rel_error": max(torch_errors.values()),
                    **{f"rel_error_d{g}": e for g, e in errors[impl].items()}}
+            if device.type == "cuda":
+                row["peak_extra_mib"] = _peak_extra_mib(_forward_backward(impl, inputs, k, grad_out))
             if impl == "ours":
                 row.update(experts.describe(x, w1, k), **backward.describe(x, w1, k))
             by_impl[impl] = row

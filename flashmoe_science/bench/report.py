@@ -235,6 +235,16 @@ def render_moe(name: str, result: dict) -> str:
         out.append(f"| {shape} ({e}, {k}, {h}, {i}) | {t} | {_fmt(ours.get('ms'), 3)} | "
                    f"{_fmt(by.get('gmm', {}).get('ms'), 3)} | {_fmt(by.get('naive', {}).get('ms'), 3)} | "
                    f"{_fmt(ours.get('tflops'))} | {speed} | {bandwidth} | {ours.get('path', '')} | {err} |")
+    memory = [(key, by) for key, by in grid.items() if any("peak_extra_mib" in r for r in by.values())]
+    if memory:
+        impls = [i for i in ("ours", "gmm", "naive") if any(i in by for _, by in memory)]
+        names = {"ours": "ours", "gmm": "grouped-mm", "naive": "per-expert loop"}
+        out += ["", "Peak memory of one forward+backward beyond its inputs (activations, saved tensors, gradients), "
+                "MiB:", "", "| model | T | " + " | ".join(names[i] for i in impls) + " |",
+                "|---|---|" + "---|" * len(impls)]
+        for (shape, *_, t), by in memory:
+            out.append(f"| {shape} | {t} | " + " | ".join(_fmt(by.get(i, {}).get("peak_extra_mib")) for i in impls)
+                       + " |")
     return "\n".join(out) + "\n"
 
 
