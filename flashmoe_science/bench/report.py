@@ -335,6 +335,26 @@ def render_model(name: str, result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _ours_and_sdpa(result: dict):
+    """(model, our row, the sdpa + grouped_mm row) of each model a `bench model` results file has both of."""
+    rows = {(r["model"], r["impl"]): r for r in result["rows"] if "error" not in r}
+    for (model, impl), ours in rows.items():
+        theirs = rows.get((model, "sdpa_grouped_mm"))
+        if impl == "ours" and theirs is not None:
+            yield model, ours, theirs
+
+
+def _decode_headline(label: str, model: str, ours: dict, theirs: dict, name: str) -> list:
+    """The headline row of `generate` tokens/s at the batches both sides measured (none: no row)."""
+    keys = [k for k in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s") if k in ours and k in theirs]
+    if not keys:
+        return []
+    batches = " / ".join(k.split("_")[1][1:] for k in keys)
+    return [f"| {label} | {model}, batch {batches} | " + " / ".join(f"{ours[k]:.0f}" for k in keys) + " tokens/s | "
+            + " / ".join(f"{theirs[k]:.0f}" for k in keys) + " (sdpa + grouped_mm) | "
+            + " / ".join(f"{ours[k] / theirs[k]:.2f}x" for k in keys) + f" | `{name}.json` |"]
+
+
 def render_model_static_decode(name: str, result: dict) -> str:
     """`generate` with a static cache, compiled into CUDA graphs by transformers: per model, each
     implementation's tokens/s at batch 1 and 32 (ours with its ratio to sdpa + grouped_mm)."""
@@ -485,11 +505,7 @@ def render_headline(results_dir) -> str:
     result = _load(results_dir, "model")
     if result is not None:
         gpus.append(result["meta"].get("gpu") or "CPU")
-        rows = {(r["model"], r["impl"]): r for r in result["rows"] if "error" not in r}
-        for (model, impl), ours in rows.items():
-            theirs = rows.get((model, "sdpa_grouped_mm"))
-            if impl != "ours" or theirs is None:
-                continue
+        for model, ours, theirs in _ours_and_sdpa(result):
             shape = f"{model}, {ours['layers']} layers, {ours['batch']} x {ours['seqlen']} tokens"
             out.append(f"| transformers training step | {shape} | {ours['train_tokens_per_s']:.0f} tokens/s | "
                        f"{theirs['train_tokens_per_s']:.0f} (sdpa + grouped_mm) | "
@@ -497,26 +513,13 @@ def render_headline(results_dir) -> str:
             out.append(f"| transformers prefill | {shape} | {ours['prefill_ms']:.1f} ms | "
                        f"{theirs['prefill_ms']:.1f} ms (sdpa + grouped_mm) | "
                        f"{theirs['prefill_ms'] / ours['prefill_ms']:.2f}x | `model.json` |")
-            keys = [k for k in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s") if k in ours and k in theirs]
-            if keys:
-                batches = " / ".join(k.split("_")[1][1:] for k in keys)
-                out.append(f"| transformers decode (`generate`) | {model}, batch {batches} | "
-                           + " / ".join(f"{ours[k]:.0f}" for k in keys) + " tokens/s | "
-                           + " / ".join(f"{theirs[k]:.0f}" for k in keys) + " (sdpa + grouped_mm) | "
-                           + " / ".join(f"{ours[k] / theirs[k]:.2f}x" for k in keys) + " | `model.json` |")
+            out += _decode_headline("transformers decode (`generate`)", model, ours, theirs, "model")
     result = _load(results_dir, "model_static_decode")
     if result is not None:
         gpus.append(result["meta"].get("gpu") or "CPU")
-        rows = {(r["model"], r["impl"]): r for r in result["rows"] if "error" not in r}
-        keys = ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s")
-        for (model, impl), ours in rows.items():
-            theirs = rows.get((model, "sdpa_grouped_mm"))
-            if impl != "ours" or theirs is None or not all(k in ours and k in theirs for k in keys):
-                continue
-            out.append(f"| transformers decode, static cache + CUDA graphs | {model}, batch 1 / 32 | "
-                       + " / ".join(f"{ours[k]:.0f}" for k in keys) + " tokens/s | "
-                       + " / ".join(f"{theirs[k]:.0f}" for k in keys) + " (sdpa + grouped_mm) | "
-                       + " / ".join(f"{ours[k] / theirs[k]:.2f}x" for k in keys) + " | `model_static_decode.json` |")
+        for model, ours, theirs in _ours_and_sdpa(result):
+            out += _decode_headline("transformers decode, static cache + CUDA graphs", model, ours, theirs,
+                                    "model_static_decode")
     result = _load(results_dir, "ep_4gpu")
     if result is not None:
         gpus.append(result["meta"].get("gpu") or "CPU")
