@@ -38,6 +38,7 @@ _GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel, fp32_dots=True)
 _DOWN = KernelLauncher("moe_down", down_kernel, fp32_dots=True)
 _COMBINE = KernelLauncher("moe_combine", combine_kernel)
 _ID_DTYPES = (torch.int32, torch.int64)
+NO_BLOCK_SHAPE = "block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, w2_scale)"
 
 
 def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
@@ -292,8 +293,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         return _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, block_shape,
                             activation)
     if block_shape is not None:
-        raise ValueError("block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, "
-                         "w2_scale)")
+        raise ValueError(NO_BLOCK_SHAPE)
     if routing.records_autograd(hidden_states, w1, w2, topk_weights):
         _check_experts_args(hidden_states, w1, w2, activation)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
@@ -326,8 +326,7 @@ def _inference_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_
     if fp8_weights:
         fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
     elif block_shape is not None:
-        raise ValueError("block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, "
-                         "w2_scale)")
+        raise ValueError(NO_BLOCK_SHAPE)
     else:
         _check_experts_args(hidden_states, w1, w2, activation)
     _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
@@ -438,8 +437,7 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
         return fused_experts(hidden_states, w1, w2, weights, ids, activation=activation, w1_scale=w1_scale,
                              w2_scale=w2_scale, block_shape=block_shape)
     if block_shape is not None:
-        raise ValueError("block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, "
-                         "w2_scale)")
+        raise ValueError(NO_BLOCK_SHAPE)
     if routing.records_autograd(hidden_states, w1, w2, router_logits):
         _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
         weights, ids = torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
