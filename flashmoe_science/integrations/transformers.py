@@ -161,9 +161,9 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
 
 
 def _padded_attention(query, key, value, mask, causal, options):
-    """A padded batch as packed sequences: key b's valid tokens are mask[b] (the last Sk entries of
-    the padding mask), query b's the last Sq entries of the mask; outputs of padding queries are 0.
-    A mask shorter than the keys comes with a static cache: the keys past it are unfilled slots."""
+    """A padded batch as packed sequences: key b's valid tokens are the mask's (`_split_mask`: the
+    last Sk entries of a 2-D mask, or the static-cache form's), query b's the last Sq filled slots;
+    outputs of padding queries are 0. Keys past the filled slots (a static cache) are unfilled."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
     mask, _, q_mask = _split_mask(mask, seqlen_q, seqlen_k)
