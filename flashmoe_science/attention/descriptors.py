@@ -16,30 +16,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..device import info_for
+from ..tma import addressable, unchecked_descriptor
 from .configs import head_dim_block
-
-
-def _checked_descriptor(cls, base, shape, strides, block_shape, *layout):
-    """A tensor descriptor of `cls` (Triton's or Gluon's, whose `layout` comes last) over a tensor
-    `supports` (or `supports_backward`, `supports_reduce`) has passed, without the class's own
-    checks: those repeat what `supports` checked (alignment, positive shape, unit last stride)
-    and cost several microseconds of host time per descriptor, for a dozen descriptors a
-    backward call (skipping them took an H100 backward call at B = 32, S = 512 from 300 to 251 us
-    of host time). Block shapes are the tables' powers of two, which the compile-and-fit test
-    builds."""
-    desc = object.__new__(cls)
-    desc.__dict__.update(zip(cls.__dataclass_fields__, (base, shape, strides, block_shape, *layout)), padding="zero")
-    return desc
 
 
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether the tensor memory accelerator can address these (B, H, S, D) CUDA tensors."""
-    for t in tensors:
-        if not t.is_cuda or t.stride(-1) != 1 or t.data_ptr() % 16 or t.numel() == 0:
-            return False
-        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return all(t.is_cuda for t in tensors) and addressable(*tensors)
 
 
 def supports_backward(tensors, head_dim: int) -> bool:
@@ -58,7 +41,7 @@ def tma_descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor
         shape, strides = [1, heads, total, head_dim], [t.numel(), t.stride(1), t.stride(0), 1]
     else:
         shape, strides = list(t.shape), list(t.stride())
-    return _checked_descriptor(TensorDescriptor, t, shape, strides, [1, 1, rows, block_d])
+    return unchecked_descriptor(TensorDescriptor, t, shape, strides, [1, 1, rows, block_d])
 
 
 def backward_descriptors(row_tensors, key_tensors, config, built=None):
@@ -89,5 +72,5 @@ def _gluon_layout(rows: int, block_d: int, dtype: torch.dtype):
 
 def gluon_descriptor(t: torch.Tensor, rows: int, block_d: int):
     """A Gluon TMA descriptor over dense (B, H, S, D) `t` in tiles of `rows` x block_d."""
-    return _checked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [1, 1, rows, block_d],
+    return unchecked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [1, 1, rows, block_d],
                                _gluon_layout(rows, block_d, t.dtype))

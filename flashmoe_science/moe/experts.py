@@ -30,6 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..device import check_runnable, info_for, interpreter_active
 from ..launch import KernelLauncher, PlanCache
+from ..tma import addressable as tma_addressable
+from ..tma import unchecked_descriptor
 from . import configs, fp8, routing
 from ._kernels.combine import combine_kernel
 from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
@@ -122,26 +124,16 @@ def tma_capable(t: torch.Tensor) -> bool:
     return info_for(t).capability >= 90 if t.is_cuda else interpreter_active()
 
 
-def tma_addressable(*tensors: torch.Tensor) -> bool:
-    """Whether the tensor memory accelerator can address these tensors: base 16-byte aligned,
-    every stride but the last a multiple of 16 bytes, the last 1, no empty dimension."""
-    for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.numel() == 0:
-            return False
-        if any(s * t.element_size() % 16 for s in t.stride()[:-1]):
-            return False
-    return True
-
-
 def launch_key_with_tma(key, tma: bool):
     """A launcher's cache key: the call's key and whether this launch passes descriptors."""
     return None if key is None else (key, tma)
 
 
 def tma_descriptor(t: torch.Tensor, block, shape=None, strides=None) -> TensorDescriptor:
-    """A descriptor over `t` (or its view of `shape` and `strides`) in boxes of `block`."""
-    return TensorDescriptor(t, list(t.shape if shape is None else shape),
-                            list(t.stride() if strides is None else strides), list(block))
+    """A descriptor over `t` (or its view of `shape` and `strides`) in boxes of `block`; `t` has
+    passed `tma_addressable`."""
+    return unchecked_descriptor(TensorDescriptor, t, list(t.shape if shape is None else shape),
+                                list(t.stride() if strides is None else strides), list(block))
 
 
 def gate_up_weight_descriptor(w1: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
