@@ -4,6 +4,8 @@ shapes); which backward kernels run; determinism; torch.compile; the tensor-desc
 variants against the pointer kernels."""
 import dataclasses
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -146,15 +148,15 @@ def test_no_tokens(device):
     assert torch.all(dw1 == 0) and torch.all(dw2 == 0)
 
 
-@pytest.mark.parametrize("needs", ["x", "weights", "routing"])
+@pytest.mark.parametrize("needs", ["x", "weights", "w1", "w2", "routing"])
 def test_only_the_needed_gradients_run(device, needs):
-    """Frozen experts skip the weight-gradient kernels; a frozen input skips grad_x."""
+    """Frozen experts skip the weight-gradient kernels (each weight its own); a frozen input skips grad_x."""
     T, E, k, H, I = 19, 4, 2, 32, 16
     x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
     logits = torch.randn(T, E, device=device)
     x.requires_grad_(needs == "x")
-    w1.requires_grad_(needs == "weights")
-    w2.requires_grad_(needs == "weights")
+    w1.requires_grad_(needs in ("weights", "w1"))
+    w2.requires_grad_(needs in ("weights", "w2"))
     logits.requires_grad_(needs == "routing")
     wanted = [t for t in (x, w1, w2, logits) if t.requires_grad]
     clear_records()
@@ -162,7 +164,37 @@ def test_only_the_needed_gradients_run(device, needs):
     assert all(not torch.isnan(g).any() for g in grads)
     assert last_launch("moe_grad_gate_up") is not None
     assert (last_launch("moe_grad_x") is not None) == (needs == "x")
-    assert (last_launch("moe_grad_w1") is not None) == (last_launch("moe_grad_w2") is not None) == (needs == "weights")
+    assert (last_launch("moe_grad_w1") is not None) == w1.requires_grad
+    assert (last_launch("moe_grad_w2") is not None) == w2.requires_grad
+
+
+def test_backward_frees_the_down_halfs_tensors_before_the_weight_gradient_of_w1(device, monkeypatch):
+    """h and the activation's derivatives, which only the down half's backward reads, are gone
+    (autograd released them with that node) when the gate/up half's backward allocates d w1: the
+    backward's peak holds no more saved activations than an autograd of the plain formula."""
+    x, w1, w2 = make_layer(37, 4, 32, 16, torch.float32, device)
+    x, w1, w2 = leaves(x, w1, w2)
+    logits = torch.randn(37, 4, device=device)
+    saved, alive_at_gate_up_backward = [], []
+    gate_up_for_backward, gate_up_backward = experts.gate_up_for_backward, moe_backward.gate_up_backward
+
+    def keeping_references(*args):
+        out = gate_up_for_backward(*args)
+        saved.extend(weakref.ref(t) for t in out[:2])
+        return out
+
+    def checking_references(*args):
+        gc.collect()
+        alive_at_gate_up_backward.extend(ref() is not None for ref in saved)
+        return gate_up_backward(*args)
+
+    monkeypatch.setattr(experts, "gate_up_for_backward", keeping_references)
+    monkeypatch.setattr(moe_backward, "gate_up_backward", checking_references)
+    out = fused_moe(x, w1, w2, logits, 2)
+    gc.collect()
+    assert len(saved) == 2 and all(ref() is not None for ref in saved)  # kept for the backward
+    torch.autograd.grad(out.square().sum(), (x, w1, w2))
+    assert alive_at_gate_up_backward == [False, False]
 
 
 def test_gradient_of_any_layout(device):

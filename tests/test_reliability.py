@@ -305,7 +305,8 @@ def _opcheck_cases(device):
     w1 = (torch.randn(4, 32, 32, device=device) * 0.2).requires_grad_()
     w2 = (torch.randn(4, 32, 16, device=device) * 0.2).requires_grad_()
     weights, ids = moe_ops.route_op(logits, 2, True, "softmax")
-    saved = moe_ops.experts_forward_op(x, w1, w2, weights, ids, "silu")
+    saved = moe_ops.experts_gate_up_op(x, w1, w2, weights, ids, "silu")
+    grad_gate_up = torch.randn_like(saved[1])
     return [
         (attention_ops.attention_forward, (q, k, v, True, 0.3, 3, -1, 5.0)),
         (attention_ops.attention_backward, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(),
@@ -315,9 +316,13 @@ def _opcheck_cases(device):
                                                    pout.detach(), plse.detach(), cu_q, cu_k, 5, 6, True, None, -1,
                                                    -1, 0.0, None)),
         (moe_ops.route_op, (logits.requires_grad_(), 2, True, "softmax")),
-        (moe_ops.experts_forward_op, (x, w1, w2, weights.detach().requires_grad_(), ids, "silu")),
-        (moe_ops.experts_backward_op, (torch.randn(9, 32, device=device), x.detach(), w1.detach(), w2.detach(),
-                                       weights.detach(), ids, *(t.detach() for t in saved[1:]), True, True)),
+        (moe_ops.experts_gate_up_op, (x, w1, w2, weights.detach(), ids, "silu")),
+        (moe_ops.experts_down_op, (x.detach(), w1.detach(), w2, weights.detach().requires_grad_(), ids,
+                                   saved[0].detach(), saved[1].detach().requires_grad_(), *saved[2:])),
+        (moe_ops.experts_down_backward_op, (torch.randn(9, 32, device=device), x.detach(), w1.detach(), w2.detach(),
+                                            weights.detach(), ids, *(t.detach() for t in saved), True, True)),
+        (moe_ops.experts_gate_up_backward_op, (grad_gate_up, x.detach(), w1.detach(), w2.detach(), ids,
+                                               *saved[2:], True, True)),
         (moe_ops.experts_inference_op, (x.detach(), w1.detach(), w2.detach(), weights.detach(), ids, "silu", None,
                                         None, None)),
         (attention_ops.attention_with_kvcache, (torch.randn(2, 1, 4, 16, device=device),

@@ -1,6 +1,6 @@
 """The backward of `fused_experts`: argument layout, buffers, configuration and launches.
 
-What the forward stores and what the backward recomputes (`experts.forward_for_backward`),
+What the forward stores and what the backward recomputes (`experts.gate_up_for_backward`),
 all in the forward's expert-sorted layout:
 - stored: h = act(gate) * up (pairs, I), the down GEMM's input, which the forward writes
   anyway; the backward reads it for d topk_weights and (times w_p) for d w2.
@@ -17,6 +17,12 @@ all in the forward's expert-sorted layout:
 - not stored: the per-pair down outputs; d topk_weights = <dY_t, w2[e] @ h_p> is formed as
   <w2[e].T @ dY_t, h_p> from the first backward GEMM's accumulator.
 
+The forward is two custom ops, so the backward is two autograd nodes (ops.py): `down_backward`
+(launches 1 and d w2) then `gate_up_backward` (d x and d w1). Autograd frees h and the
+derivatives, which only the first reads, when it returns, so the peak of the second (d w1,
+the largest gradient, with d [gate, up]) holds no saved activation, as an autograd of the plain
+formula frees its saved tensors op by op.
+
 The launches (kernels in `_kernels/backward.py`), none read back by the host:
 1. grad_gate_up: [d gate, d up] (pairs, 2I) in layout order, per-column-tile parts of
    d topk_weights (a (tiles, T * k) fp32 table summed here by one torch reduction), and for
@@ -24,7 +30,8 @@ The launches (kernels in `_kernels/backward.py`), none read back by the host:
 2. grad_x: the (T * k, H) per-pair input gradients, then the forward's combine kernel sums
    each token's k rows in the fixed order j = 0..k-1;
 3. grad_w1 and grad_w2: one program per (expert, tile), each summing its expert's rows in
-   layout order. The experts' block ranges come from a torch.searchsorted over block_expert.
+   layout order (grad_w1 gathers x by each row's token, sorted_pairs // k). The experts'
+   block ranges come from a torch.searchsorted over block_expert.
 Every output element is written by one program with a fixed summation order: the gradients
 are bitwise reproducible (no atomics anywhere). Each launch is a function of the plan, so
 `bench moe --sweep --mode fwd+bwd` times one alone under a plan with a forced configuration.
@@ -174,49 +181,48 @@ def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
                                                            configs.pairs_per_expert(T, top_k, E)))}
 
 
-def _no_token_grads(x, w1, w2, topk_ids, need_input_grad: bool, need_weight_grads: bool):
-    """The gradients of a call with T = 0: empty for x and the routing weights, zero for the weights."""
-    return (x.new_empty(x.shape if need_input_grad else (0,)),
-            torch.zeros_like(w1, memory_format=torch.contiguous_format) if need_weight_grads else x.new_empty((0,)),
-            torch.zeros_like(w2, memory_format=torch.contiguous_format) if need_weight_grads else x.new_empty((0,)),
-            torch.empty(topk_ids.shape, dtype=torch.float32, device=x.device))
-
-
-def experts_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert,
-                     block_rows, need_input_grad: bool, need_weight_grads: bool):
-    """Gradients of `fused_experts` from what `experts.forward_for_backward` returned.
-
-    Args:
-        grad_out: (T, H) gradient of out, hidden_states' dtype, any strides.
-        hidden_states, w1, w2: the forward's arguments (the activation only enters through
-            h_grads).
-        topk_weights: (T, k) float32 and topk_ids: (T, k) int32, contiguous, as the forward ran.
-        h, h_grads, sorted_pairs, block_expert, block_rows: the forward's saved outputs.
-        need_input_grad, need_weight_grads: which gradients to compute (d topk_weights always).
-
-    Returns:
-        (d hidden_states (T, H) or an empty (0,) tensor, d w1 (E, 2I, H) and d w2 (E, H, I) or
-        empty (0,) tensors, d topk_weights (T, k) float32): gradients in the dtypes of their
-        inputs, contiguous; zero for dropped slots (ids outside [0, E)) and for experts that
-        received no token.
-    """
-    if hidden_states.shape[0] == 0:
-        return _no_token_grads(hidden_states, w1, w2, topk_ids, need_input_grad, need_weight_grads)
-    key = ("experts_backward", *map(experts.tensor_key, (
-        grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows)))
+def _plan(name, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *tensors):
+    """(launch key, BackwardPlan) of a backward call, cached under the call's facts."""
+    key = (name, *map(experts.tensor_key, (hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *tensors)))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.remember(key, BackwardPlan(hidden_states, w1, w2, topk_ids, block_expert, sorted_pairs))
-    x = hidden_states.contiguous() if plan.copy_x else hidden_states
-    w1 = w1.contiguous() if plan.copy_w1 else w1
+    return key, plan
+
+
+def down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert,
+                  block_rows, need_gate_up_grad: bool, need_w2_grad: bool):
+    """The backward of the down GEMM and the activation: the first half of `fused_experts`' backward.
+
+    Args:
+        grad_out: (T, H), d out, any row stride (unit stride along H, else copied).
+        hidden_states, w1, w2: the forward's inputs (hidden_states and w1 only size the plan).
+        topk_weights: (T, k) float32 and topk_ids: (T, k) int32, contiguous, as the forward ran.
+        h, h_grads, sorted_pairs, block_expert, block_rows: what `experts.gate_up_for_backward`
+            returned.
+        need_gate_up_grad, need_w2_grad: which gradients to return.
+
+    Returns:
+        (d [gate, up] (rows, 2I) in layout order, zero on padding rows, or an empty (0,) tensor;
+        d w2 (E, H, I) contiguous or an empty (0,) tensor; d topk_weights (T, k) float32, zero
+        for dropped slots). d w2 is zero for experts that received no token.
+    """
+    T = hidden_states.shape[0]
+    if T == 0:
+        return (hidden_states.new_empty((0, w1.shape[1]) if need_gate_up_grad else (0,)),
+                torch.zeros_like(w2, memory_format=torch.contiguous_format) if need_w2_grad else w2.new_empty((0,)),
+                torch.empty(topk_ids.shape, dtype=torch.float32, device=hidden_states.device))
+    key, plan = _plan("experts_down_backward", hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert,
+                      grad_out, topk_weights, h, h_grads, block_rows)
     w2 = w2.contiguous() if plan.copy_w2 else w2
+    h, h_grads = h.contiguous(), h_grads.contiguous()  # the forward's are
     if grad_out.stride(1) != 1:
         grad_out = grad_out.contiguous()
-    T, H, I, E, k = plan.num_tokens, plan.hidden, plan.inter, plan.num_experts, plan.top_k
-    device, dtype = x.device, x.dtype
+    I, E, k = plan.inter, plan.num_experts, plan.top_k
+    device, dtype = grad_out.device, h.dtype
     rows = plan.num_blocks * plan.block_m
     grad_gate_up = routing.allocate((rows, 2 * I), dtype, device)
-    if need_weight_grads:
+    if need_w2_grad:
         weighted_h = routing.allocate((rows, I), dtype, device)
         row_tokens = routing.allocate((rows,), torch.int32, device)
     else:  # not written: the kernel's flag is off
@@ -224,19 +230,51 @@ def experts_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h,
     # Slots that no program covers (dropped ids) keep their zero.
     grad_weight_parts = torch.zeros((plan.grad_gate_up_tiles, T * k), dtype=torch.float32, device=device)
     launch_grad_gate_up(key, plan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert, block_rows,
-                        grad_gate_up, weighted_h, row_tokens, grad_weight_parts, need_weight_grads)
+                        grad_gate_up, weighted_h, row_tokens, grad_weight_parts, need_w2_grad)
     grad_weights = grad_weight_parts.sum(dim=0).view(T, k)
+    grad_w2 = w2.new_empty((0,))
+    if need_w2_grad:
+        grad_w2 = routing.allocate((E, plan.hidden, I), dtype, device)
+        launch_grad_w2(key, plan, grad_out, weighted_h, grad_w2, row_tokens, expert_block_ranges(block_expert, E))
+    return grad_gate_up if need_gate_up_grad else grad_gate_up.new_empty((0,)), grad_w2, grad_weights
+
+
+def gate_up_backward(grad_gate_up, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, block_rows,
+                     need_input_grad: bool, need_w1_grad: bool):
+    """The backward of the gate/up GEMM: the second half of `fused_experts`' backward.
+
+    Args:
+        grad_gate_up: (rows, 2I), d [gate, up] in layout order from `down_backward` (any
+            strides: copied when not contiguous).
+        hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, block_rows: as the forward
+            ran (w2 only sizes the plan).
+        need_input_grad, need_w1_grad: which gradients to return.
+
+    Returns:
+        (d hidden_states (T, H) or an empty (0,) tensor, d w1 (E, 2I, H) contiguous or an empty
+        (0,) tensor), in hidden_states' dtype; d w1 is zero for experts that received no token.
+    """
+    x, T = hidden_states, hidden_states.shape[0]
+    if T == 0:
+        return (x.new_empty(x.shape if need_input_grad else (0,)),
+                torch.zeros_like(w1, memory_format=torch.contiguous_format) if need_w1_grad else x.new_empty((0,)))
+    key, plan = _plan("experts_gate_up_backward", x, w1, w2, topk_ids, sorted_pairs, block_expert, grad_gate_up,
+                      block_rows)
+    x = x.contiguous() if plan.copy_x else x
+    w1 = w1.contiguous() if plan.copy_w1 else w1
+    grad_gate_up = grad_gate_up.contiguous()  # autograd's is; a caller's may be a broadcast
+    H, E, k = plan.hidden, plan.num_experts, plan.top_k
+    device, dtype = x.device, x.dtype
     # Gradients not asked for are empty tensors (distinct: a custom op's outputs may not alias).
-    grad_x, grad_w1, grad_w2 = (x.new_empty((0,)) for _ in range(3))
-    if need_input_grad:
+    grad_x, grad_w1 = x.new_empty((0,)), x.new_empty((0,))
+    if need_input_grad:  # first, so its (T * k, H) pair rows are freed before d w1 exists
         grad_x_pairs = routing.allocate((T * k, H), dtype, device)
         grad_x = routing.allocate((T, H), dtype, device)
         launch_grad_x(key, plan, grad_gate_up, w1, grad_x_pairs, sorted_pairs, block_expert, block_rows)
         experts.launch_combine(key, grad_x_pairs, topk_ids, grad_x, E, plan.device_index)
-    if need_weight_grads:
-        expert_blocks = expert_block_ranges(block_expert, E)
-        grad_w1 = routing.allocate((E, 2 * I, H), dtype, device)
-        grad_w2 = routing.allocate((E, H, I), dtype, device)
-        launch_grad_w1(key, plan, grad_gate_up, x, grad_w1, row_tokens, expert_blocks)
-        launch_grad_w2(key, plan, grad_out, weighted_h, grad_w2, row_tokens, expert_blocks)
-    return grad_x, grad_w1, grad_w2, grad_weights
+        del grad_x_pairs
+    if need_w1_grad:
+        row_tokens = torch.where(sorted_pairs >= 0, sorted_pairs // k, -1)
+        grad_w1 = routing.allocate((E, 2 * plan.inter, H), dtype, device)
+        launch_grad_w1(key, plan, grad_gate_up, x, grad_w1, row_tokens, expert_block_ranges(block_expert, E))
+    return grad_x, grad_w1

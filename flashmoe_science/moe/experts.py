@@ -12,7 +12,8 @@ Nothing is read back by the host, so the call can be captured in a CUDA graph.
 Calls that need gradients (autograd records and an input requires grad) or that torch.compile
 traces go through the torch.library custom ops of `ops.py` instead: the same launches, except
 that the gate/up GEMM also stores the activation's local derivatives, returned with h and the
-layout for the backward (`forward_for_backward`; the backward is in backward.py).
+layout for the backward (`gate_up_for_backward`, `down_for_backward`: two ops, two autograd nodes;
+the backward is in backward.py).
 
 A call with the same shapes, strides, dtypes, devices and options as an earlier one skips every
 check and configuration decision (one dictionary lookup) and launches cached compiled kernels.
@@ -81,7 +82,7 @@ def _check_experts_args(hidden_states, w1, w2, activation) -> None:
         raise ValueError(f"H = {H} (hidden_states' last dimension) must be a positive multiple of 16")
     if I % 16 or I == 0:
         raise ValueError(f"I = {I} (half of w1's middle dimension) must be a positive multiple of 16")
-    if activation not in configs.ACTIVATIONS:
+    if activation is not None and activation not in configs.ACTIVATIONS:
         raise ValueError(f"activation must be one of {configs.ACTIVATIONS}, got {activation!r}")
 
 
@@ -271,8 +272,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         token's k expert outputs are summed in fp32 in the order j = 0..k-1.
 
     Gradients: when autograd records and an input requires grad, eager or compiled, the call
-    runs the custom op `flashmoe_science::moe_experts_forward`, which also keeps the layout, h
-    and the activation's derivatives for the backward kernels (see backward.py for what is
+    runs the custom ops `flashmoe_science::moe_experts_gate_up` and `moe_experts_down`, which also
+    keep the layout, h and the activation's derivatives for the backward kernels (see backward.py for what is
     stored and what is recomputed). Gradients of topk_weights come back in its dtype; dropped
     slots get zero. Other calls take the lean path, which stores nothing; under torch.compile,
     through the custom op `flashmoe_science::moe_experts` (FP8 weights too).
@@ -360,11 +361,11 @@ def _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation):
     of the weights is itself differentiable)."""
     weights = topk_weights.to(torch.float32).contiguous()
     ids = routing.ids_int32(topk_ids, w1.shape[0])
-    return torch.ops.flashmoe_science.moe_experts_forward(hidden_states, w1, w2, weights, ids, activation)[0]
+    return _experts_with_backward(hidden_states, w1, w2, weights, ids, activation)
 
 
 def saved_layout_size(hidden_states, w1, top_k: int) -> tuple[int, int]:
-    """(BLOCK_M, number of blocks) of the layout `forward_for_backward` returns for these inputs
+    """(BLOCK_M, number of blocks) of the layout `gate_up_for_backward` returns for these inputs
     (from shapes alone: the custom op's fake implementation allocates by it)."""
     T, H = hidden_states.shape
     E, two_i, _ = w1.shape
@@ -372,32 +373,66 @@ def saved_layout_size(hidden_states, w1, top_k: int) -> tuple[int, int]:
     return cfg.block_m, routing.layout_blocks(T * top_k, E, cfg.block_m)
 
 
-def forward_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation):
-    """The forward of `fused_experts` keeping what its backward needs.
-
-    Args as for `fused_experts`, except topk_weights: (T, top_k) float32 and topk_ids:
-    (T, top_k) int32, both contiguous.
-
-    Returns:
-        (out (T, H), h (rows, I), h_grads (rows, 2I), sorted_pairs (rows,) int32,
-        block_expert (blocks,) int32, block_rows (blocks,) int32). out, h and h_grads are in
-        hidden_states' dtype; h is the down GEMM's input and h_grads the activation's local
-        derivatives [dh/dgate, dh/dup], both in layout order and zero on padding rows;
-        rows = blocks * BLOCK_M (`saved_layout_size`).
-    """
-    key = ("experts_for_backward", tensor_key(hidden_states), tensor_key(w1), tensor_key(w2),
-           tensor_key(topk_weights), tensor_key(topk_ids), activation)
+def _saving_plan(name, hidden_states, w1, w2, topk_weights, topk_ids, activation=None) -> _ExpertsPlan:
+    """The plan of a custom op's half of the saving forward, cached under its own key (the
+    activation checked where it applies: the gate/up half)."""
+    key = (name, tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
+           tensor_key(topk_ids), activation)
     plan = _EXPERTS_PLANS.get(key)
     if plan is None:
         plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation)
-    x, w1, w2 = plan.operands(hidden_states, w1, w2)
+    return plan
+
+
+def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation):
+    """The first half of `fused_experts`' forward, keeping what its backward needs: routing's
+    layout and the gate/up GEMM.
+
+    Args as for `fused_experts`, except topk_weights: (T, top_k) float32 and topk_ids:
+    (T, top_k) int32, both contiguous (w2 and topk_weights only size the plan).
+
+    Returns:
+        (h (rows, I), h_grads (rows, 2I), sorted_pairs (rows,) int32, block_expert (blocks,)
+        int32, block_rows (blocks,) int32). h and h_grads are in hidden_states' dtype; h is the
+        down GEMM's input and h_grads the activation's local derivatives [dh/dgate, dh/dup],
+        both in layout order and zero on padding rows; rows = blocks * BLOCK_M
+        (`saved_layout_size`).
+    """
+    plan = _saving_plan("experts_gate_up", hidden_states, w1, w2, topk_weights, topk_ids, activation)
+    x, w1, _ = plan.operands(hidden_states, w1, w2)
     if plan.num_tokens == 0:
-        return (x.new_empty((0, plan.hidden)), x.new_empty((0, plan.inter)), x.new_empty((0, 2 * plan.inter)),
+        return (x.new_empty((0, plan.inter)), x.new_empty((0, 2 * plan.inter)),
                 *(topk_ids.new_empty((0,)) for _ in range(3)))
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
-    h_grads = routing.allocate((layout.num_blocks * layout.block_m, 2 * plan.inter), x.dtype, x.device)
-    out, h = _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation, h_grads)
-    return out, h, h_grads, layout.sorted_pairs, layout.block_expert, layout.block_rows
+    rows = layout.num_blocks * layout.block_m
+    h = routing.allocate((rows, plan.inter), x.dtype, x.device)
+    h_grads = routing.allocate((rows, 2 * plan.inter), x.dtype, x.device)
+    launch_gate_up(plan.launch_key, plan.config, layout, x, w1, h, plan.top_k, activation, plan.device_index, h_grads)
+    return h, h_grads, layout.sorted_pairs, layout.block_expert, layout.block_rows
+
+
+def down_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, h, sorted_pairs, block_expert, block_rows):
+    """The second half of `fused_experts`' forward: the down GEMM and the combine over the
+    layout and h of `gate_up_for_backward` (hidden_states and w1 only size the plan); out (T, H)."""
+    plan = _saving_plan("experts_down", hidden_states, w1, w2, topk_weights, topk_ids)
+    _, _, w2 = plan.operands(hidden_states, w1, w2)
+    if plan.num_tokens == 0:
+        return h.new_empty((0, plan.hidden))
+    layout = routing.PairLayout(sorted_pairs, block_expert, block_rows, plan.config.block_m, block_expert.numel())
+    y = routing.allocate((plan.dispatch.num_pairs, plan.hidden), h.dtype, h.device)
+    out = routing.allocate((plan.num_tokens, plan.hidden), h.dtype, h.device)
+    launch_down(plan.launch_key, plan.config, layout, h, w2, y, topk_weights, plan.device_index)
+    launch_combine(plan.launch_key, y, topk_ids, out, plan.num_experts, plan.device_index)
+    return out
+
+
+def _experts_with_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation):
+    """`fused_experts` through its two saving custom ops (ops.py): gate/up, then down. Two
+    autograd nodes, so the backward frees what the down half kept (h and the activation's
+    derivatives) before the gate/up half's weight gradient is allocated."""
+    ops = torch.ops.flashmoe_science
+    saved = ops.moe_experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation)
+    return ops.moe_experts_down(hidden_states, w1, w2, topk_weights, topk_ids, *saved)
 
 
 def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activation="silu",
@@ -436,7 +471,7 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
         if not routing.needs_gradient(hidden_states, w1, w2, router_logits):  # compiled inference
             return torch.ops.flashmoe_science.moe_experts(hidden_states, w1, w2, weights, ids, activation, None, None,
                                                           None)
-        return torch.ops.flashmoe_science.moe_experts_forward(hidden_states, w1, w2, weights, ids, activation)[0]
+        return _experts_with_backward(hidden_states, w1, w2, weights, ids, activation)
     try:
         key = _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
         plan = _MOE_PLANS.get(key)

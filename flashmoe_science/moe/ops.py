@@ -2,9 +2,10 @@
 
 - `flashmoe_science::moe_route` (router_logits -> topk_weights, topk_ids): its backward is
   `routing.route_backward` (torch ops on the (T, E) logits).
-- `flashmoe_science::moe_experts_forward` (hidden_states, w1, w2, topk_weights, topk_ids ->
-  out and what the backward needs: h, the activation's derivatives and the layout) with its
-  backward `flashmoe_science::moe_experts_backward` (the kernels of backward.py).
+- `flashmoe_science::moe_experts_gate_up` (hidden_states, w1, ... -> h, the activation's
+  derivatives and the layout) and `flashmoe_science::moe_experts_down` (those -> out): the
+  forward of a call that needs gradients, in two halves, so autograd sees two nodes; their
+  backwards `moe_experts_down_backward` and `moe_experts_gate_up_backward` (backward.py).
 - `flashmoe_science::moe_experts` (the same, and FP8 weights with their scales -> out): what a
   compiled graph calls where no gradient is wanted (inference, decoding under CUDA graphs): it
   stores nothing for a backward, and its output's shape is the input's, whatever the token count.
@@ -55,30 +56,44 @@ def _route_backward(ctx, grad_weights, grad_ids):
 route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
 
 
-@torch.library.custom_op("flashmoe_science::moe_experts_forward", mutates_args=())
-def experts_forward_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                       activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, h, h_grads, sorted_pairs, block_expert, block_rows) of `experts.forward_for_backward`;
+@torch.library.custom_op("flashmoe_science::moe_experts_gate_up", mutates_args=())
+def experts_gate_up_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                       activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(h, h_grads, sorted_pairs, block_expert, block_rows) of `experts.gate_up_for_backward`;
     topk_weights float32 and topk_ids int32, contiguous."""
-    return experts.forward_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation)
+    return experts.gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation)
 
 
-@experts_forward_op.register_fake
-def _experts_forward_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation):
-    T, H = hidden_states.shape
+@experts_gate_up_op.register_fake
+def _experts_gate_up_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation):
+    T = hidden_states.shape[0]
     inter = w1.shape[1] // 2
     if isinstance(T, torch.SymInt):
         # A dynamic token count: the layout's size follows from T through the configuration
         # table's load buckets, which a symbolic T cannot pick without guarding on its range. Its
-        # tensors only travel to the backward op, so their sizes can stay unknown.
+        # tensors only travel to the other ops, so their sizes can stay unknown.
         ctx = torch.library.get_ctx()
         rows, num_blocks = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     else:
         block_m, num_blocks = experts.saved_layout_size(hidden_states, w1, topk_ids.shape[1])
         rows = num_blocks * block_m
     new = hidden_states.new_empty
-    return (new((T, H)), new((rows, inter)), new((rows, 2 * inter)), topk_ids.new_empty((rows,)),
+    return (new((rows, inter)), new((rows, 2 * inter)), topk_ids.new_empty((rows,)),
             topk_ids.new_empty((num_blocks,)), topk_ids.new_empty((num_blocks,)))
+
+
+@torch.library.custom_op("flashmoe_science::moe_experts_down", mutates_args=())
+def experts_down_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, h: Tensor,
+                    h_grads: Tensor, sorted_pairs: Tensor, block_expert: Tensor, block_rows: Tensor) -> Tensor:
+    """out (T, H) of `experts.down_for_backward`; h_grads is an input for the backward only."""
+    return experts.down_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, h, sorted_pairs, block_expert,
+                                     block_rows)
+
+
+@experts_down_op.register_fake
+def _experts_down_fake(hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert,
+                       block_rows):
+    return hidden_states.new_empty((hidden_states.shape[0], w2.shape[1]))
 
 
 @torch.library.custom_op("flashmoe_science::moe_experts", mutates_args=())
@@ -96,41 +111,77 @@ def _experts_inference_fake(hidden_states, w1, w2, topk_weights, topk_ids, activ
     return hidden_states.new_empty((hidden_states.shape[0], w2.shape[1]))
 
 
-@torch.library.custom_op("flashmoe_science::moe_experts_backward", mutates_args=())
-def experts_backward_op(grad_out: Tensor, hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
-                        topk_ids: Tensor, h: Tensor, h_grads: Tensor, sorted_pairs: Tensor, block_expert: Tensor,
-                        block_rows: Tensor, need_input_grad: bool,
-                        need_weight_grads: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(d hidden_states, d w1, d w2, d topk_weights) of `backward.experts_backward`."""
-    return backward.experts_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs,
-                                     block_expert, block_rows, need_input_grad, need_weight_grads)
+@torch.library.custom_op("flashmoe_science::moe_experts_down_backward", mutates_args=())
+def experts_down_backward_op(grad_out: Tensor, hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
+                             topk_ids: Tensor, h: Tensor, h_grads: Tensor, sorted_pairs: Tensor,
+                             block_expert: Tensor, block_rows: Tensor, need_gate_up_grad: bool,
+                             need_w2_grad: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(d [gate, up], d w2, d topk_weights) of `backward.down_backward`."""
+    return backward.down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs,
+                                  block_expert, block_rows, need_gate_up_grad, need_w2_grad)
 
 
-@experts_backward_op.register_fake
-def _experts_backward_fake(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs,
-                           block_expert, block_rows, need_input_grad, need_weight_grads):
-    new = hidden_states.new_empty
-    return (new(hidden_states.shape) if need_input_grad else new((0,)),
-            new(w1.shape) if need_weight_grads else new((0,)),
-            new(w2.shape) if need_weight_grads else new((0,)),
+@experts_down_backward_op.register_fake
+def _experts_down_backward_fake(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs,
+                                block_expert, block_rows, need_gate_up_grad, need_w2_grad):
+    return (h_grads.new_empty(h_grads.shape) if need_gate_up_grad else h_grads.new_empty((0,)),
+            w2.new_empty(w2.shape) if need_w2_grad else w2.new_empty((0,)),
             topk_weights.new_empty(topk_ids.shape))
 
 
-def _experts_setup_context(ctx, inputs, output):
+@torch.library.custom_op("flashmoe_science::moe_experts_gate_up_backward", mutates_args=())
+def experts_gate_up_backward_op(grad_gate_up: Tensor, hidden_states: Tensor, w1: Tensor, w2: Tensor,
+                                topk_ids: Tensor, sorted_pairs: Tensor, block_expert: Tensor, block_rows: Tensor,
+                                need_input_grad: bool, need_w1_grad: bool) -> Tuple[Tensor, Tensor]:
+    """(d hidden_states, d w1) of `backward.gate_up_backward`."""
+    return backward.gate_up_backward(grad_gate_up, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert,
+                                     block_rows, need_input_grad, need_w1_grad)
+
+
+@experts_gate_up_backward_op.register_fake
+def _experts_gate_up_backward_fake(grad_gate_up, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert,
+                                   block_rows, need_input_grad, need_w1_grad):
+    new = hidden_states.new_empty
+    return new(hidden_states.shape) if need_input_grad else new((0,)), new(w1.shape) if need_w1_grad else new((0,))
+
+
+# The two saving ops are two autograd nodes. The down node's backward applies the activation's
+# chain rule (its h_grads are the activation's derivatives) and so hands the gate/up node, in the
+# place of h_grads, the gradient with respect to the gate and up projections, d [gate, up]; h
+# gets none (its dependence on gate and up is inside that gradient). Once the down node's
+# backward has run, autograd frees h and h_grads, before d w1 is allocated.
+
+def _gate_up_setup_context(ctx, inputs, output):
     hidden_states, w1, w2, topk_weights, topk_ids, _ = inputs
-    ctx.save_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, *output[1:])
-    # Only out carries a gradient; the saved outputs get None instead of tensors of zeros.
+    ctx.save_for_backward(hidden_states, w1, w2, topk_ids, *output[2:])
     ctx.set_materialize_grads(False)
 
 
-def _experts_backward(ctx, grad_out, *saved_output_grads):
-    if grad_out is None:
+def _gate_up_backward(ctx, grad_h, grad_gate_up, *layout_grads):
+    if grad_gate_up is None:
         return None, None, None, None, None, None
-    need_x, need_w1, need_w2, need_weights = ctx.needs_input_grad[:4]
-    grad_x, grad_w1, grad_w2, grad_weights = experts_backward_op(
-        grad_out, *ctx.saved_tensors, need_x, need_w1 or need_w2)
-    return (grad_x if need_x else None, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None,
-            grad_weights if need_weights else None, None, None)
+    need_x, need_w1 = ctx.needs_input_grad[:2]
+    grad_x, grad_w1 = experts_gate_up_backward_op(grad_gate_up, *ctx.saved_tensors, need_x, need_w1)
+    return grad_x if need_x else None, grad_w1 if need_w1 else None, None, None, None, None
 
 
-experts_forward_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+experts_gate_up_op.register_autograd(_gate_up_backward, setup_context=_gate_up_setup_context)
+
+
+def _down_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.set_materialize_grads(False)
+
+
+def _down_backward(ctx, grad_out):
+    if grad_out is None:
+        return (None,) * 10
+    need = ctx.needs_input_grad
+    need_w2, need_weights, need_gate_up = need[2], need[3], need[6]
+    grad_gate_up, grad_w2, grad_weights = experts_down_backward_op(grad_out, *ctx.saved_tensors, need_gate_up,
+                                                                   need_w2)
+    return (None, None, grad_w2 if need_w2 else None, grad_weights if need_weights else None, None, None,
+            grad_gate_up if need_gate_up else None, None, None, None)
+
+
+experts_down_op.register_autograd(_down_backward, setup_context=_down_setup_context)

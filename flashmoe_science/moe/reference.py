@@ -75,19 +75,22 @@ def fused_moe_scaled_grouped_mm(x, w1q, w1_scale, w2q, w2_scale, router_logits, 
     """PyTorch's FP8 MoE path: `fused_moe_grouped_mm` with torch._scaled_grouped_mm, weights in
     FP8 with per-output-channel scales (E, N), tokens and the intermediate quantised per row on
     the fly, each expert's rows padded to a multiple of `group_align` (the FP8 grouped GEMM's
-    alignment, as torchao and torchtitan pad them). Reads the padded size back to the host."""
+    alignment, as torchao and torchtitan pad them) within a buffer sized for the most padding
+    any routing needs, so nothing is read back to the host and the call can be captured in a
+    CUDA graph."""
     E, two_i, _ = w1q.shape
     weights, ids = moe_route_torch(router_logits, top_k)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E)
+    counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + group_align - 1) // group_align * group_align
     ends = torch.cumsum(padded, 0)
     sorted_experts = flat[order]
     rank = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
     rows = (ends - padded)[sorted_experts] + rank
     tokens = order // top_k
-    a = x.new_zeros(int(ends[-1]), x.shape[1]).index_copy(0, rows, x[tokens])
+    capacity = -(-(flat.numel() + E * (group_align - 1)) // group_align) * group_align
+    a = x.new_zeros(capacity, x.shape[1]).index_copy(0, rows, x[tokens])
     aq, a_scale = _rowwise_fp8(a)
     offs = ends.to(torch.int32)
     h = torch._scaled_grouped_mm(aq, w1q.transpose(1, 2), a_scale, w1_scale, offs=offs, out_dtype=x.dtype)

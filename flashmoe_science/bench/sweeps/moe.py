@@ -250,7 +250,7 @@ def backward_sweep(args, shapes, tokens, device, dtype):
     cases = _sweep_cases(args, shapes, tokens, device, dtype, "sweep moe backward")
     for name, (E, k, _, _), T, w1, w2, x, logits in cases:
         weights, ids = moe_route(logits, k)
-        _, h, h_grads, sorted_pairs, block_expert, block_rows = experts.forward_for_backward(
+        h, h_grads, sorted_pairs, block_expert, block_rows = experts.gate_up_for_backward(
             x, w1, w2, weights, ids, "silu")
         table_plan = backward.BackwardPlan(x, w1, w2, ids, block_expert, sorted_pairs)
         t = {"grad_out": torch.randn_like(x), "x": x, "w1": w1, "w2": w2, "weights": weights, "h": h,

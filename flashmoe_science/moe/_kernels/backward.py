@@ -63,7 +63,8 @@ def grad_gate_up_kernel(
     B operand of grad_w2, and row_tokens (rows,) int32, each row's token or -1 on padding rows
     (the column-tile-0 programs write it). grad_weights: (cdiv(I, BLOCK_N), T * top_k) fp32,
     row pid_n receives this column tile's part of d w_p. Padding rows of grad_gate_up and
-    weighted_h are zeros (their dY rows load as zeros, their stored h and h_grads are zeros).
+    weighted_h are zeros (their dY rows load as zeros, their stored h and h_grads are zeros);
+    so are grad_gate_up's rows in the unused blocks past the last expert.
 
     The epilogue needs no activation function, only products with loaded tiles: with the
     sigmoid and its derivative recomputed here the (BLOCK_M, BLOCK_N) fp32 tiles alive at once
@@ -71,10 +72,14 @@ def grad_gate_up_kernel(
     """
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
                                                BLOCK_M, BLOCK_N, GROUP_M)
-    if expert < 0:
-        return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
+    if expert < 0:  # the layout's unused blocks: grad_gate_up (the op's output) holds zeros there too
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=grad_gate_up_ptr.dtype.element_ty)
+        unused_offs = wide_offset(rows, 2 * I)[:, None] + offs_n[None, :]
+        tl.store(grad_gate_up_ptr + unused_offs, zeros, mask=n_ok[None, :])
+        tl.store(grad_gate_up_ptr + I + unused_offs, zeros, mask=n_ok[None, :])
+        return
     offs_k = tl.arange(0, BLOCK_K)
     dy_ptrs = grad_out_ptr + wide_offset(pairs // top_k, stride_gt)[:, None] + offs_k[None, :]
     # w2[e] is (H, I) with I contiguous: the (BLOCK_K, BLOCK_N) tile w2[e, k, n] is row-major.
