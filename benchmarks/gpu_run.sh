@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_run.sh [STAGE ...]
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep decode-sweep
 #           attention-small attention-fwd attention-bwd
-#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode moe moe-fwd+bwd moe-train model model-static moe-sweep
+#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode attention-mla moe moe-fwd+bwd moe-train
+#           model model-static moe-sweep
 #           moe-bwd-sweep before-after tc tc-sweep ep moe-fp8
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
@@ -69,6 +70,11 @@ for stage in "${stages[@]}"; do
     attention-varlen-window) bench attention --mode fwd+bwd --sections varlen,window --no-plot ;;
     attention-calls) bench attention --mode fwd+bwd --sections calls --no-plot ;;
     attention-decode) bench attention --mode decode --no-plot ;;
+    attention-mla)  # v's head dim of its own (DeepSeek's 192/128 and 128/64): forward and backward (results *_mla)
+      for mode in fwd bwd; do
+        bench attention --mode $mode --sections throughput --head-dims 192/128,128/64 --seqlens 1024,4096,16384 \
+          --flex-head-dims 0 --no-plot
+      done ;;
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
     moe-train) bench moe --mode train ;;

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 NO_WINDOW = (-1, -1)
-# The backward's matrix products against the forward's: dV, dP, dK, dQ and the recomputed S
-# (2.5x); forward and backward together 3.5x.
-_ATTENTION_MODES = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+# FLOPs per computed query-key pair and head, as (factor of the q/k head dim, factor of the v
+# head dim): the forward's S = Q K^T and O = P V; the backward's recomputed S, dK and dQ (q/k) and
+# dP and dV (v): 2.5x the forward's at equal head dims, forward and backward together 3.5x.
+_ATTENTION_MODES = {"fwd": (2.0, 2.0), "bwd": (6.0, 4.0), "fwd+bwd": (8.0, 6.0)}
 # SwiGLU experts: gate, up and down products, 2 FLOPs a multiply-add (6); the backward twice that.
 _MOE_MODES = {"fwd": 6.0, "fwd+bwd": 18.0}
 
@@ -27,11 +28,13 @@ def attention_pairs(seqlen_q, seqlen_k, causal=False, window_size=NO_WINDOW) -> 
 
 
 def attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, causal=False, mode="fwd",
-                    window_size=NO_WINDOW) -> float:
+                    window_size=NO_WINDOW, head_dim_v=None) -> float:
     """4*B*Hq*D per computed pair (`attention_pairs`: only the unmasked ones) for the forward,
-    2.5x that for the backward, 3.5x for both."""
+    2.5x that for the backward, 3.5x for both; with a v head dim of its own (MLA),
+    2*B*Hq*(D + D_v) per pair for the forward (`_ATTENTION_MODES`)."""
     pairs = attention_pairs(seqlen_q, seqlen_k, causal, window_size)
-    return 4.0 * batch * heads_q * pairs * head_dim * _ATTENTION_MODES[mode]
+    qk, v = _ATTENTION_MODES[mode]
+    return batch * heads_q * pairs * (qk * head_dim + v * (head_dim if head_dim_v is None else head_dim_v))
 
 
 def moe_flops(tokens, top_k, hidden, expert_dim, mode="fwd") -> float:

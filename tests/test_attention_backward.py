@@ -377,7 +377,7 @@ def test_tma_tiles_give_the_pointer_kernels_bits(B, Hq, Hkv, Sq, Sk, D, dtype, l
     runs descriptors on CPU tensors, so the dispatcher's sm90 check is lifted here."""
     from flashmoe_science.attention import descriptors
 
-    monkeypatch.setattr(descriptors, "supports_backward", lambda tensors, head_dim: True)
+    monkeypatch.setattr(descriptors, "supports_backward", lambda *args: True)
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, device, layout=layout)
     grad_out = torch.randn_like(q)
     out, lse = flash_attention_forward(q, k, v, causal=causal, window_size=window)
@@ -400,7 +400,7 @@ def test_tma_tiles_of_packed_sequences_give_the_pointer_kernels_bits(causal, dev
     from flashmoe_science.attention.varlen import longest_first, varlen_forward
     from test_attention_varlen import make_packed
 
-    monkeypatch.setattr(descriptors, "supports_backward", lambda tensors, head_dim: True)
+    monkeypatch.setattr(descriptors, "supports_backward", lambda *args: True)
     lengths = [37, 0, 5, 64, 20, 9]
     q, k, v, cu, _ = make_packed(lengths, lengths, 4, 2, 40, torch.float32, device)
     poisoned = slice(cu[3].item(), cu[4].item())  # the 64-token sequence: not finite

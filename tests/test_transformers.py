@@ -31,6 +31,13 @@ FAMILIES = {
                                                      shared_expert_intermediate_size=32, num_experts=4,
                                                      num_experts_per_tok=2,
                                                      **{k: v for k, v in _COMMON.items() if k != "head_dim"}),
+    # Multi-head latent attention: q/k head dim 48 (32 + 16 rotary), v head dim 32, through our
+    # attention as it is (no padding of v); sigmoid group routing with a shared expert.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=128, initializer_range=0.2),
 }
 
 
@@ -68,7 +75,7 @@ def test_logits_and_gradients_match_eager(family):
             assert rel(p.grad, p_ref.grad) < 1e-4, name
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_padded_batches_go_through_packed_sequences(family):
     eager, ours = models(family)
     ids = torch.randint(0, 96, (3, 20), device=DEVICE)

@@ -57,7 +57,7 @@ class BackwardPlan:
     def __init__(self, tensors, batch, seqlen_q, seqlen_k, causal, window_size, softcap, packed, config=None,
                  grad_strides=None):
         grad_output, q, k, v, out, _ = tensors
-        heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[-1]
+        heads_q, heads_kv, head_dim, head_dim_v = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
         self.copy_last_dim = any(t.stride(-1) != 1 for t in (grad_output, q, k, v, out))
         # The layouts the kernels see (a tensor whose last dimension is not contiguous is copied
         # first), those of the gradients (`layouts.output_like`, unless the caller gives the
@@ -72,14 +72,16 @@ class BackwardPlan:
         self.packed = packed
         self.lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
         self.device_index = q.device.index if q.device.type == "cuda" else None
-        cfg = self.config = config or backward_config(info_for(q), q.element_size(), head_dim, packed and causal)
-        block_d = head_dim_block(head_dim)
+        # Tiles for the larger head dim where v's differs (MLA), as in the forward.
+        cfg = self.config = config or backward_config(info_for(q), q.element_size(), max(head_dim, head_dim_v),
+                                                      packed and causal)
+        block_d, block_dv = head_dim_block(head_dim), head_dim_block(head_dim_v)
         # delta = rowsum(dO * O) needs no sequence structure: packed tokens run as one batch entry.
         rows_batch, rows = (1, q.shape[0]) if packed else (batch, seqlen_q)
-        rows_block = preprocess_block_m(block_d)
+        rows_block = preprocess_block_m(block_dv)
         num_row_blocks = cdiv(rows, rows_block)
         self.preprocess_grid = (num_row_blocks * rows_batch * heads_q, 1, 1)
-        self.preprocess_options = (heads_q, rows, num_row_blocks, head_dim, block_d, rows_block)
+        self.preprocess_options = (heads_q, rows, num_row_blocks, head_dim_v, block_dv, rows_block)
         num_n_blocks = cdiv(seqlen_k, cfg.dkdv.block_n)
         num_m_blocks = cdiv(seqlen_q, cfg.dq.block_m)
         self.dkdv_grid = (num_n_blocks * batch * heads_kv, 1, 1)
@@ -89,21 +91,22 @@ class BackwardPlan:
         group = heads_q // heads_kv
         totals = token_totals(q, k, packed)
         self.dkdv_options = (*lse_strides, heads_kv, group, seqlen_q, seqlen_k, *totals, num_n_blocks, *window,
-                             head_dim, block_d, cfg.dkdv.block_m, cfg.dkdv.block_n, softcap > 0, packed)
+                             head_dim, block_d, head_dim_v, block_dv, cfg.dkdv.block_m, cfg.dkdv.block_n, softcap > 0,
+                             packed)
         self.dq_options = (*lse_strides, heads_q, group, seqlen_q, seqlen_k, *totals, num_m_blocks, *window, head_dim,
-                           block_d, cfg.dq.block_m, cfg.dq.block_n, softcap > 0, packed)
+                           block_d, head_dim_v, block_dv, cfg.dq.block_m, cfg.dq.block_n, softcap > 0, packed)
         # Tiles through tensor descriptors (configs.BackwardConfig.tma) where TMA can address the
         # tensors, and the gradients laid out like them, and the call is long enough to hide the
         # host time of building descriptors. Packed batches store their gradients through
         # pointers (a tile's rows past a sequence's end belong to the next one).
-        flops = attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim)
+        flops = attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, head_dim_v=head_dim_v)
         self.tma = (cfg.tma and not self.copy_last_dim and (config is not None or flops >= HOPPER_MIN_FLOPS)
-                    and descriptors.supports_backward(tensors[:5], head_dim))
+                    and descriptors.supports_backward(tensors[:5], head_dim, head_dim_v))
         # Dense calls without softcap that take descriptors run the Gluon kernels where
         # `configs.GLUON_BACKWARD` has them (they compute their own grids from the config).
         gluon_ok = self.tma and not packed and not softcap
         if gluon_ok and config is None:
-            cfg = self.config = gluon_backward_config(info_for(q), q.element_size(), head_dim) or cfg
+            cfg = self.config = gluon_backward_config(info_for(q), q.element_size(), max(head_dim, head_dim_v)) or cfg
         self.gluon = cfg.gluon and gluon_ok
         self.window = window
         self.dkdv_maxnreg = dkdv_maxnreg(cfg.dkdv, self.tma, softcap > 0, packed)
@@ -185,19 +188,20 @@ def launch_backward(plan: BackwardPlan, key, grad_output, q, k, v, out, lse, cu_
 
 def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, scale, config, window, *, delta_here,
                           device_index=None, key=None) -> None:
-    """The Gluon backward kernels (`_kernels/backward_gluon.py`) for dense (B, H, S, D) tensors:
+    """The Gluon backward kernels (`_kernels/backward_gluon.py`) for dense (B, H, S, D) tensors (v,
+    out and their gradients with v's head dim):
     the dQ kernel (which writes delta first when `delta_here`), then the dK/dV kernel. `config`
     is a BackwardConfig; `window` and `key` as for `forward.launch_tma`."""
     batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    block_d = head_dim_block(head_dim)
+    heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    block_d, block_dv = head_dim_block(head_dim), head_dim_block(head_dim_v)
     group = heads_q // heads_kv
     lse_strides = (heads_q * seqlen_q, seqlen_q)
     built = {}  # the two kernels share a descriptor wherever their tiles of a tensor have the same rows
 
     def describe(t, rows):
         if (id(t), rows) not in built:
-            built[id(t), rows] = descriptors.gluon_descriptor(t, rows, block_d)
+            built[id(t), rows] = descriptors.gluon_descriptor(t, rows, head_dim_block(t.shape[-1]))
         return built[id(t), rows]
 
     c = config.dq
@@ -207,7 +211,7 @@ def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, sca
         (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
          describe(dq, c.block_m), out, lse, delta, scale, scale * LOG2E, *out.stride()[:3],
          *lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window,
-         head_dim, c.block_m, c.block_n, block_d, c.num_stages, delta_here),
+         head_dim_v, c.block_m, c.block_n, block_d, block_dv, c.num_stages, delta_here),
         num_warps=c.num_warps, num_stages=1, device_index=device_index)
     c = config.dkdv
     num_n_blocks = cdiv(seqlen_k, c.block_n)
@@ -215,7 +219,7 @@ def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, sca
         key, (num_n_blocks * batch * heads_kv, 1, 1),
         (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
          describe(dk, c.block_n), describe(dv, c.block_n), lse, delta, scale, scale * LOG2E, *lse_strides, heads_kv,
-         group, seqlen_q, seqlen_k, num_n_blocks, *window, c.block_m, c.block_n, block_d, c.num_stages),
+         group, seqlen_q, seqlen_k, num_n_blocks, *window, c.block_m, c.block_n, block_d, block_dv, c.num_stages),
         num_warps=c.num_warps, num_stages=1, device_index=device_index)
 
 
@@ -243,7 +247,7 @@ def attention_backward(grad_output, q, k, v, out, lse, causal: bool, softmax_sca
             key = None
     if plan is None:
         check_inputs(q, k, v)
-        check_backward_tensors(grad_output, q, out, lse, q.shape[:3], "(batch, heads_q, seqlen_q)")
+        check_backward_tensors(grad_output, q, v, out, lse, q.shape[:3], "(batch, heads_q, seqlen_q)")
         plan = BackwardPlan(tensors, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, False,
                              config, grad_strides)
         if key is not None:

@@ -7,16 +7,30 @@ The options a call can turn on (causal, softcap, variable lengths; sliding windo
 arguments) are constexprs that change no tile: each configuration compiles plain and with all
 of them on, which bounds the rest. Compiling every subset of the options for every
 configuration and target once found none asking for more shared memory than all of them
-together, so the other combinations are left out of the check to keep it fast.
+together, so the other combinations are left out of the check to keep it fast. A v head dim of
+its own (MLA, `configs.VALUE_HEAD_DIM_BLOCKS`) compiles with every option on.
 """
 from __future__ import annotations
 
 from itertools import product
 
 from ..kernel_build import KernelBuild
-from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, HOPPER_FORWARD, PREPROCESS_WARPS, BackwardConfig,
-                      backward_configs, decode_configs, dkdv_maxnreg, forward_configs, gluon_forward_configs,
-                      gluon_forward_tiles, gluon_separate_output, preprocess_block_m)
+from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, HOPPER_FORWARD, PREPROCESS_WARPS,
+                      VALUE_HEAD_DIM_BLOCKS, BackwardConfig, backward_configs, decode_configs, dkdv_maxnreg,
+                      forward_configs, gluon_forward_configs, gluon_forward_tiles, gluon_separate_output,
+                      preprocess_block_m)
+
+
+def _value_blocks(block_d: int):
+    """(v's padded head dim, option variants) of the builds for q/k head dim block_d: its own with
+    every variant; an MLA v head dim with the last (every option on) only."""
+    yield block_d, None
+    if block_d in VALUE_HEAD_DIM_BLOCKS:
+        yield VALUE_HEAD_DIM_BLOCKS[block_d], -1
+
+
+def _dims_label(block_d: int, block_dv: int) -> str:
+    return f"D={block_d}" if block_dv == block_d else f"D={block_d}/{block_dv}"
 
 
 def shipped_builds(capability: int):
@@ -25,18 +39,21 @@ def shipped_builds(capability: int):
     ptr = {2: "*fp16", 4: "*fp32"}
     # Each config compiles plain, and with every option on (module docstring).
     variants = ((False, False, False), (True, True, True))
-    for element_size, block_d, cfg in forward_configs(capability):
-        for causal, softcap, varlen in variants:
+    for (element_size, block_d, cfg), (block_dv, last) in ((c, v) for c in forward_configs(capability)
+                                                           for v in _value_blocks(c[1])):
+        for causal, softcap, varlen in variants[last:] if last else variants:
             sig = {name: "i32" for name in attention_forward_kernel.arg_names}
             sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O=ptr[element_size],
                        LSE="*fp32", CU_SEQLENS_Q="*i32", CU_SEQLENS_K="*i32", SEQUENCE_ORDER="*i32",
                        scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
-            constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                              CAUSAL=causal, SOFTCAP=softcap, VARLEN=varlen, WRITE_LSE=True)
+            constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, HEAD_DIM_V=block_dv, BLOCK_DV=block_dv,
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, SOFTCAP=softcap, VARLEN=varlen,
+                              WRITE_LSE=True)
             sig.update({name: "constexpr" for name in constexprs})
             options = "".join(f" {name}" for name, on in (("softcap", softcap), ("varlen", varlen)) if on)
             yield KernelBuild(
-                label=f"attention_forward fp{8 * element_size} D={block_d} causal={causal}{options} {cfg}",
+                label=f"attention_forward fp{8 * element_size} {_dims_label(block_d, block_dv)} causal={causal}"
+                      f"{options} {cfg}",
                 fn=attention_forward_kernel, signature=sig, constexprs=constexprs,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 aligned=("Q", "K", "V", "O", "LSE", "stride_qb", "stride_qh", "stride_qm", "stride_kb",
@@ -93,18 +110,19 @@ def _hopper_builds(capability: int):
         return
     from ._kernels.forward_hopper import attention_forward_hopper_kernel
 
-    for block_d, cfg in HOPPER_FORWARD.items():
-        for causal, softcap in ((False, False), (True, True)):
+    variants = ((False, False), (True, True))
+    for (block_d, cfg), (block_dv, last) in ((c, v) for c in HOPPER_FORWARD.items() for v in _value_blocks(c[0])):
+        for causal, softcap in variants[last:] if last else variants:
             sig = {name: "i32" for name in attention_forward_hopper_kernel.arg_names}
-            for name, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
-                               ("desc_o", cfg.block_m)):
-                sig[name] = f"tensordesc<fp16[1,1,{rows},{block_d}]>"
+            for name, rows, cols in (("desc_q", cfg.block_m, block_d), ("desc_k", cfg.block_n, block_d),
+                                     ("desc_v", cfg.block_n, block_dv), ("desc_o", cfg.block_m, block_dv)):
+                sig[name] = f"tensordesc<fp16[1,1,{rows},{cols}]>"
             sig.update(LSE="*fp32", scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
-            constexprs = dict(BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-                              SOFTCAP=softcap, WRITE_LSE=True)
+            constexprs = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              CAUSAL=causal, SOFTCAP=softcap, WRITE_LSE=True)
             sig.update({name: "constexpr" for name in constexprs})
-            yield KernelBuild(label=f"attention_forward_hopper fp16 D={block_d} causal={causal} softcap={softcap} "
-                                    f"{cfg}", fn=attention_forward_hopper_kernel, signature=sig,
+            yield KernelBuild(label=f"attention_forward_hopper fp16 {_dims_label(block_d, block_dv)} causal={causal} "
+                                    f"softcap={softcap} {cfg}", fn=attention_forward_hopper_kernel, signature=sig,
                               constexprs=constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                               aligned=("LSE",))
     yield from _gluon_builds()
@@ -117,22 +135,24 @@ def _gluon_builds():
 
     from ._kernels.forward_gluon import attention_forward_gluon_kernel
 
-    for block_d, cfg in gluon_forward_configs():
+    variants = ((False, True, ("fp16", gl.float16)), (True, True, ("bf16", gl.bfloat16)),
+                (True, False, ("bf16", gl.bfloat16)))
+    for (block_d, cfg), (block_dv, last) in ((c, v) for c in gluon_forward_configs() for v in _value_blocks(c[0])):
+        if block_dv != block_d and not gluon_separate_output(cfg, block_d, block_dv):
+            continue  # v's own width needs O's own buffers (`configs.hopper_forward_config`)
         rows, consumers = gluon_forward_tiles(cfg)
-        for causal, persistent, (name, dtype) in ((False, True, ("fp16", gl.float16)),
-                                                  (True, True, ("bf16", gl.bfloat16)),
-                                                  (True, False, ("bf16", gl.bfloat16))):
+        for causal, persistent, (name, dtype) in variants[last:] if last else variants:
             sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}
-            for arg, tile_rows in (("desc_q", rows), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n),
-                                   ("desc_o", rows)):
-                layout = gl.NVMMASharedLayout.get_default_for([1, 1, tile_rows, block_d], dtype)
-                sig[arg] = f"tensordesc<{name}[1,1,{tile_rows},{block_d}],{layout!r}>"
+            for arg, tile_rows, cols in (("desc_q", rows, block_d), ("desc_k", cfg.block_n, block_d),
+                                         ("desc_v", cfg.block_n, block_dv), ("desc_o", rows, block_dv)):
+                layout = gl.NVMMASharedLayout.get_default_for([1, 1, tile_rows, cols], dtype)
+                sig[arg] = f"tensordesc<{name}[1,1,{tile_rows},{cols}],{layout!r}>"
             sig.update(LSE="*fp32", scale_log2="fp32")
-            constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_STAGES=cfg.num_stages,
-                              CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
-                              SEPARATE_O=gluon_separate_output(cfg, block_d), PERSISTENT=persistent)
+            constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                              NUM_STAGES=cfg.num_stages, CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
+                              SEPARATE_O=gluon_separate_output(cfg, block_d, block_dv), PERSISTENT=persistent)
             sig.update({n: "constexpr" for n in constexprs})
-            yield KernelBuild(label=f"attention_forward_gluon {name} D={block_d} causal={causal} "
+            yield KernelBuild(label=f"attention_forward_gluon {name} {_dims_label(block_d, block_dv)} causal={causal} "
                                     f"persistent={persistent} {cfg}",
                               fn=attention_forward_gluon_kernel, signature=sig, constexprs=constexprs,
                               num_warps=cfg.num_warps, num_stages=1, aligned=("LSE",))
@@ -143,25 +163,34 @@ def _backward_builds(capability: int):
 
     ptr = {2: "*fp16", 4: "*fp32"}
 
+    value_tensors = ("V", "DO", "DV", "O")  # tiles of v's head dim (block_dv)
+
     def build(kernel, label, element_size, block_d, pointers, constexprs, num_warps, num_stages, tiles=None,
-              maxnreg=None):
-        """`tiles` (TMA builds): the tensor arguments that are descriptors, with their tile rows."""
+              maxnreg=None, block_dv=None):
+        """`tiles` (TMA builds): the tensor arguments that are descriptors, with their tile rows.
+        `block_dv`: v's padded head dim where it differs (MLA)."""
+        block_dv = block_dv or block_d
         sig = {arg: "i32" for arg in kernel.arg_names}
         sig.update({arg: ptr[element_size] for arg in pointers})
         if tiles:
-            sig.update({arg: f"tensordesc<fp16[1,1,{rows},{block_d}]>" for arg, rows in tiles.items()})
+            sig.update({arg: f"tensordesc<fp16[1,1,{rows},{block_dv if arg in value_tensors else block_d}]>"
+                        for arg, rows in tiles.items()})
             pointers = [a for a in pointers if a not in tiles]
             label += " tma"
         sig.update({arg: "*fp32" for arg in ("LSE", "DELTA", "LSE_LOG2") if arg in sig})
         sig.update({arg: "*i32" for arg in ("CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUENCE_ORDER") if arg in sig})
         sig.update({arg: "fp32" for arg in ("softmax_scale", "scale_log2", "softcap_scale", "softcap_log2")
                     if arg in sig})
-        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, **constexprs)
+        dims = dict(HEAD_DIM=block_d, BLOCK_D=block_d)
+        if "HEAD_DIM_V" in kernel.arg_names:
+            dims.update(HEAD_DIM_V=block_dv, BLOCK_DV=block_dv)
+        constexprs = dict(**dims, **constexprs)
         sig.update({arg: "constexpr" for arg in constexprs})
         aligned = [a for a in kernel.arg_names
                    if a in pointers or a in ("LSE", "DELTA", "LSE_LOG2") or a.startswith("stride_")]
         options = "".join(f" {name}" for name in ("softcap", "varlen") if constexprs.get(name.upper()))
-        return KernelBuild(label=f"{label} fp{8 * element_size} D={block_d}{options}", fn=kernel, signature=sig,
+        return KernelBuild(label=f"{label} fp{8 * element_size} {_dims_label(block_d, block_dv)}{options}", fn=kernel,
+                           signature=sig,
                            constexprs=constexprs, num_warps=num_warps, num_stages=num_stages,
                            aligned=tuple(aligned), maxnreg=maxnreg)
 
@@ -179,59 +208,72 @@ def _backward_builds(capability: int):
         # on sm90 (their pointer builds serve the calls TMA cannot address).
         all_options = (dict(SOFTCAP=False, VARLEN=False), dict(SOFTCAP=True, VARLEN=True))
         loads = (False, True) if cfg.tma and capability == 90 and element_size == 2 else (False,)
-        for tma, options in product(loads, all_options):
-            def stored(**tiles):  # packed batches store gradients through pointers
-                return {} if options["VARLEN"] else tiles
+        for tma, (block_dv, last) in product(loads, _value_blocks(block_d)):
+            for options in all_options[last:] if last else all_options:
+                yield from _triton_backward_builds(build, backward, element_size, block_d, block_dv, cfg, tma,
+                                                   options)
 
-            dkdv, dq = cfg.dkdv, cfg.dq
-            yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {dkdv}", element_size,
-                        block_d, ("Q", "K", "V", "DO", "DK", "DV"),
-                        dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, TMA=tma, **options),
-                        dkdv.num_warps, dkdv.num_stages,
-                        tiles=tma and dict(Q=dkdv.block_m, DO=dkdv.block_m, K=dkdv.block_n, V=dkdv.block_n,
-                                           **stored(DK=dkdv.block_n, DV=dkdv.block_n)),
-                        maxnreg=dkdv_maxnreg(dkdv, tma, options["SOFTCAP"], options["VARLEN"]))
-            yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {dq}", element_size,
-                        block_d, ("Q", "K", "V", "DO", "O", "DQ"),
-                        dict(BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, TMA=tma, DELTA_HERE=True, **options),
-                        dq.num_warps, dq.num_stages,
-                        tiles=tma and dict(Q=dq.block_m, DO=dq.block_m, K=dq.block_n, V=dq.block_n,
-                                           **stored(DQ=dq.block_m)))
+
+def _triton_backward_builds(build, backward, element_size, block_d, block_dv, cfg, tma, options):
+    """The Triton dK/dV and dQ kernels' builds for one configuration, head dims and options."""
+    def stored(**tiles):  # packed batches store gradients through pointers
+        return {} if options["VARLEN"] else tiles
+
+    dkdv, dq = cfg.dkdv, cfg.dq
+    yield build(backward.attention_backward_dkdv_kernel, f"attention_backward_dkdv {dkdv}", element_size,
+                block_d, ("Q", "K", "V", "DO", "DK", "DV"),
+                dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, TMA=tma, **options),
+                dkdv.num_warps, dkdv.num_stages,
+                tiles=tma and dict(Q=dkdv.block_m, DO=dkdv.block_m, K=dkdv.block_n, V=dkdv.block_n,
+                                   **stored(DK=dkdv.block_n, DV=dkdv.block_n)),
+                maxnreg=dkdv_maxnreg(dkdv, tma, options["SOFTCAP"], options["VARLEN"]), block_dv=block_dv)
+    yield build(backward.attention_backward_dq_kernel, f"attention_backward_dq {dq}", element_size,
+                block_d, ("Q", "K", "V", "DO", "O", "DQ"),
+                dict(BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, TMA=tma, DELTA_HERE=True, **options),
+                dq.num_warps, dq.num_stages,
+                tiles=tma and dict(Q=dq.block_m, DO=dq.block_m, K=dq.block_n, V=dq.block_n,
+                                   **stored(DQ=dq.block_m)), block_dv=block_dv)
 
 
 def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
-    """The Gluon backward kernels' builds (sm90) for one configuration, fp16 and bf16: the shared
-    memory layouts of the descriptors are part of the signature."""
+    """The Gluon backward kernels' builds (sm90) for one configuration, fp16 and bf16 (an MLA v head
+    dim: bf16): the shared memory layouts of the descriptors are part of the signature."""
     from triton.experimental.gluon import language as gl
 
     from ._kernels.backward_gluon import attention_backward_dkdv_gluon_kernel, attention_backward_dq_gluon_kernel
 
-    def descriptor(dtype, rows):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], dtype)
+    def descriptor(dtype, rows, cols):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], dtype)
         name = {gl.float16: "fp16", gl.bfloat16: "bf16"}[dtype]
-        return f"tensordesc<{name}[1,1,{rows},{block_d}],{layout!r}>"
+        return f"tensordesc<{name}[1,1,{rows},{cols}],{layout!r}>"
 
-    for name, dtype in (("fp16", gl.float16), ("bf16", gl.bfloat16)):
-        dkdv, dq = cfg.dkdv, cfg.dq
-        kernel = attention_backward_dkdv_gluon_kernel
-        sig = {n: "i32" for n in kernel.arg_names}
-        tiles = dict(desc_q=dkdv.block_m, desc_do=dkdv.block_m, desc_k=dkdv.block_n, desc_v=dkdv.block_n,
-                     desc_dk=dkdv.block_n, desc_dv=dkdv.block_n)
-        sig.update({arg: descriptor(dtype, rows) for arg, rows in tiles.items()})
-        sig.update(LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
-        constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, NUM_STAGES=dkdv.num_stages)
-        sig.update({n: "constexpr" for n in constexprs})
-        yield KernelBuild(label=f"attention_backward_dkdv_gluon {name} D={block_d} {dkdv}", fn=kernel,
-                          signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps, num_stages=1,
-                          aligned=("LSE", "DELTA"))
-        kernel = attention_backward_dq_gluon_kernel
-        sig = {n: "i32" for n in kernel.arg_names}
-        tiles = dict(desc_q=dq.block_m, desc_do=dq.block_m, desc_dq=dq.block_m, desc_k=dq.block_n, desc_v=dq.block_n)
-        sig.update({arg: descriptor(dtype, rows) for arg, rows in tiles.items()})
-        sig.update(O=f"*{name}", LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
-        constexprs = dict(HEAD_DIM=block_d, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_D=block_d,
-                          NUM_STAGES=dq.num_stages, DELTA_HERE=True)
-        sig.update({n: "constexpr" for n in constexprs})
-        yield KernelBuild(label=f"attention_backward_dq_gluon {name} D={block_d} {dq}", fn=kernel, signature=sig,
-                          constexprs=constexprs, num_warps=dq.num_warps, num_stages=1,
-                          aligned=("O", "LSE", "DELTA"))
+    dtypes = (("fp16", gl.float16), ("bf16", gl.bfloat16))
+    for block_dv, last in _value_blocks(block_d):
+        dims = _dims_label(block_d, block_dv)
+        for name, dtype in dtypes[last:] if last else dtypes:
+            dkdv, dq = cfg.dkdv, cfg.dq
+            kernel = attention_backward_dkdv_gluon_kernel
+            sig = {n: "i32" for n in kernel.arg_names}
+            tiles = dict(desc_q=(dkdv.block_m, block_d), desc_do=(dkdv.block_m, block_dv),
+                         desc_k=(dkdv.block_n, block_d), desc_v=(dkdv.block_n, block_dv),
+                         desc_dk=(dkdv.block_n, block_d), desc_dv=(dkdv.block_n, block_dv))
+            sig.update({arg: descriptor(dtype, *tile) for arg, tile in tiles.items()})
+            sig.update(LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
+            constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                              NUM_STAGES=dkdv.num_stages)
+            sig.update({n: "constexpr" for n in constexprs})
+            yield KernelBuild(label=f"attention_backward_dkdv_gluon {name} {dims} {dkdv}", fn=kernel,
+                              signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps, num_stages=1,
+                              aligned=("LSE", "DELTA"))
+            kernel = attention_backward_dq_gluon_kernel
+            sig = {n: "i32" for n in kernel.arg_names}
+            tiles = dict(desc_q=(dq.block_m, block_d), desc_do=(dq.block_m, block_dv), desc_dq=(dq.block_m, block_d),
+                         desc_k=(dq.block_n, block_d), desc_v=(dq.block_n, block_dv))
+            sig.update({arg: descriptor(dtype, *tile) for arg, tile in tiles.items()})
+            sig.update(O=f"*{name}", LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
+            constexprs = dict(HEAD_DIM_V=block_dv, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_D=block_d,
+                              BLOCK_DV=block_dv, NUM_STAGES=dq.num_stages, DELTA_HERE=True)
+            sig.update({n: "constexpr" for n in constexprs})
+            yield KernelBuild(label=f"attention_backward_dq_gluon {name} {dims} {dq}", fn=kernel, signature=sig,
+                              constexprs=constexprs, num_warps=dq.num_warps, num_stages=1,
+                              aligned=("O", "LSE", "DELTA"))

@@ -25,7 +25,8 @@ def check_tensor(name: str, t, ndim: int, dims: str, dtypes=DTYPES) -> None:
 
 
 def check_inputs(q, k, v, packed: bool = False) -> None:
-    """q, k, v of a dense call (4-D), or of a packed variable-length call (3-D)."""
+    """q, k, v of a dense call (4-D), or of a packed variable-length call (3-D). v's head dim
+    may differ from q's and k's (MLA: 192 and 128)."""
     ndim, dims = (3, "(total_tokens, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim, dims)
@@ -34,15 +35,16 @@ def check_inputs(q, k, v, packed: bool = False) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     check_runnable("q", q)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
     if not packed and q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q, k and v must have the same head_dim, got q {q.shape[-1]} and k/v {k.shape[-1]}")
-    head_dim = q.shape[-1]
-    if not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim (last dimension of q, k, v) must be between 16 and 256, got {head_dim}")
+        raise ValueError(f"q and k must have the same head_dim, got q {q.shape[-1]} and k {k.shape[-1]}")
+    for name, head_dim in (("q, k", q.shape[-1]), ("v", v.shape[-1])):
+        if not 16 <= head_dim <= 256:
+            raise ValueError(f"head_dim of {name} (last dimension) must be between 16 and 256, got {head_dim}")
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"the number of query heads ({heads_q}) must be a multiple of the number of "
@@ -90,13 +92,15 @@ def check_band(window_size, softcap) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
-def check_backward_tensors(grad_output, q, out, lse, lse_shape, lse_description) -> None:
-    """grad_output and output like q; lse float32 of `lse_shape`."""
+def check_backward_tensors(grad_output, q, v, out, lse, lse_shape, lse_description) -> None:
+    """grad_output and output shaped like q with v's head dim, q's dtype and device; lse float32
+    of `lse_shape`."""
+    out_shape = (*q.shape[:-1], v.shape[-1])
     for name, t in (("grad_output", grad_output), ("output", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+        if tuple(t.shape) != out_shape:
+            raise ValueError(f"{name} must have the shape of q with v's head dim {out_shape}, got {tuple(t.shape)}")
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:

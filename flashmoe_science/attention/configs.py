@@ -45,6 +45,14 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+# Calls whose v head dim differs from q's and k's (MLA) take the tables' entry for the larger padded
+# head dim, so their q/k or v tiles are narrower than that entry's build: no more shared memory and
+# no more registers. The compile-and-fit check (builds.py) also compiles the pairs DeepSeek's
+# models use, by padded q/k head dim: 192 / 128 (prefill and training of V2, V3) pads to 256 / 128;
+# 128 / 64 and 96 / 64 to 128 / 64.
+VALUE_HEAD_DIM_BLOCKS = {256: 128, 128: 64}
+
+
 C = AttentionConfig
 # fp32 products run 3xTF32 by default (`device.fp32_dot_precision`), which holds each operand
 # twice: one table for every family, its tiles the largest a compile-only search found within
@@ -164,12 +172,14 @@ def gluon_forward_section(group_size: int, seqlen_k: int, block_d: int, element_
     return max(1, GLUON_L2_SECTION_BYTES * group_size // per_head)
 
 
-def gluon_separate_output(config: AttentionConfig, block_d: int) -> bool:
+def gluon_separate_output(config: AttentionConfig, block_d: int, block_dv: int | None = None) -> bool:
     """Whether the Gluon forward's 16-bit output tiles get buffers of their own (so the next tile's
     Q loads while a tile's last products run) or reuse Q's: they do where Q, O and the K/V stages
-    fit in Hopper's 227 KB of shared memory (with 1 KB to spare for barriers)."""
-    rows = 2 * config.block_m + 2 * config.num_stages * config.block_n
-    return 2 * rows * block_d <= 226 * 1024
+    fit in Hopper's 227 KB of shared memory (with 1 KB to spare for barriers). Q and K tiles are
+    block_d wide, O and V tiles block_dv (v's padded head dim; default block_d)."""
+    block_dv = block_dv or block_d
+    elements = (config.block_m + config.num_stages * config.block_n) * (block_d + block_dv)
+    return 2 * elements <= 226 * 1024
 
 
 # Below this many FLOPs the generic kernel runs: building four tensor descriptors costs host time
@@ -178,14 +188,18 @@ HOPPER_MIN_FLOPS = 2e10
 
 
 def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, flops: float, softcap: bool = False,
-                          masked: bool = True, seqlen_k: int = 0):
+                          masked: bool = True, seqlen_k: int = 0, head_dim_v: int | None = None):
     """The Hopper forward for a dense call: (gluon, config), whether the Gluon kernel runs and its
     configuration, or None where the generic kernel runs. `masked`: the call is causal or has a
-    window."""
+    window. A v head dim other than q's and k's (MLA) takes the entry of the larger padded head
+    dim."""
     if device.capability != 90 or device.arch_family != 90 or element_size != 2 or flops < HOPPER_MIN_FLOPS:
         return None
-    block_d = head_dim_block(head_dim)
+    block_d = head_dim_block(max(head_dim, head_dim_v or 0))
     gluon = None if softcap else gluon_forward_config(block_d, masked, seqlen_k)
+    if gluon is not None and head_dim_v is not None and head_dim_block(head_dim_v) != head_dim_block(head_dim):
+        # v's own width: O needs buffers of its own (the kernel cannot reuse Q's)
+        gluon = gluon if gluon_separate_output(gluon, head_dim_block(head_dim), head_dim_block(head_dim_v)) else None
     if gluon is not None:
         return True, gluon
     cfg = HOPPER_FORWARD.get(block_d)

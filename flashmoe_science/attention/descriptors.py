@@ -25,12 +25,13 @@ def supports(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) and addressable(*tensors)
 
 
-def supports_backward(tensors, head_dim: int) -> bool:
+def supports_backward(tensors, head_dim: int, head_dim_v: int | None = None) -> bool:
     """Whether the backward kernels can move tiles through descriptors: the tensors (grad_output,
     q, k, v, out) qualify, on an sm90 GPU, and so do the gradients, laid out like q, k, v (rows
-    of head_dim 16-bit values a multiple of 16 bytes apart)."""
+    of head_dim, and v's head_dim_v, 16-bit values a multiple of 16 bytes apart)."""
     q = tensors[1]
-    return supports(*tensors) and q.element_size() == 2 and head_dim % 8 == 0 and info_for(q).hopper
+    dims_ok = head_dim % 8 == 0 and (head_dim_v or head_dim) % 8 == 0
+    return supports(*tensors) and q.element_size() == 2 and dims_ok and info_for(q).hopper
 
 
 def tma_descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
@@ -49,13 +50,12 @@ def backward_descriptors(row_tensors, key_tensors, config, built=None):
     `key_tensors` of config.block_n (an AttentionConfig). Dense (B, H, S, D) tensors as they are;
     packed (total, H, D) ones as one batch entry (1, H, total, D). `built`, a dict shared by the
     calls for one backward's kernels, hands a tensor's descriptor to every kernel whose tiles of it
-    have the same rows."""
-    block_d = head_dim_block(row_tensors[0].shape[-1])
+    have the same rows. Each tile spans its tensor's padded head dim (v's may differ: MLA)."""
     built = {} if built is None else built
 
     def describe(t, rows):
         if (id(t), rows) not in built:
-            built[id(t), rows] = tma_descriptor(t, rows, block_d)
+            built[id(t), rows] = tma_descriptor(t, rows, head_dim_block(t.shape[-1]))
         return built[id(t), rows]
 
     return (tuple(describe(t, config.block_m) for t in row_tensors),

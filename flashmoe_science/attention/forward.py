@@ -50,29 +50,34 @@ PLANS = PlanCache()
 class ForwardPlan:
     """Everything about a forward call that depends only on its shapes, strides, dtypes and options.
 
-    Dense calls: q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D). Packed variable-length calls: q
-    (total_q, Hq, D), k and v (total_k, Hkv, D), `batch` sequences of at most `seqlen_q` queries
-    and `seqlen_k` keys; lse is then (Hq, total_q).
+    Dense calls: q (B, Hq, Sq, D), k (B, Hkv, Sk, D) and v (B, Hkv, Sk, D_v), D_v = D or not
+    (MLA). Packed variable-length calls: q (total_q, Hq, D), k (total_k, Hkv, D) and v
+    (total_k, Hkv, D_v), `batch` sequences of at most `seqlen_q` queries and `seqlen_k` keys;
+    lse is then (Hq, total_q). The output is q's shape with D_v.
     """
 
     __slots__ = ("empty", "contiguous", "config", "grid", "default_scale", "softcap", "packed", "lse_shape",
                  "device_index", "kernel_options", "launch_tail", "hopper", "decode", "window", "causal",
-                 "out_strides")
+                 "out_shape", "out_strides")
 
     def __init__(self, q, k, v, batch, seqlen_q, seqlen_k, causal, window_size, softcap, write_lse, packed,
                  config=None):
-        heads_q, head_dim = q.shape[1], q.shape[-1]
+        heads_q, head_dim, head_dim_v = q.shape[1], q.shape[-1], v.shape[-1]
         self.contiguous = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
-        # `output_like` of the q the kernel runs on (a contiguous copy where `contiguous`)
-        self.out_strides = dense_strides(q.shape, None if self.contiguous else q.stride())
+        # The output is q's shape with v's head dim, its dimensions in the memory order of the q
+        # the kernel runs on (`output_like`; a contiguous copy where `contiguous`).
+        self.out_shape = (*q.shape[:-1], head_dim_v)
+        self.out_strides = dense_strides(self.out_shape, None if self.contiguous else q.stride())
         self.empty = q.numel() == 0
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.softcap = float(softcap)
         self.packed = packed
         self.lse_shape = (heads_q, q.shape[0]) if packed else (batch, heads_q, seqlen_q)
         self.device_index = q.device.index if q.device.type == "cuda" else None
-        cfg = self.config = config or forward_config(info_for(q), q.element_size(), head_dim, seqlen_q,
-                                                     batch * heads_q, packed)
+        # Tiles are chosen for the larger head dim (the tables' shared memory bounds hold q, k and v
+        # tiles of one width).
+        cfg = self.config = config or forward_config(info_for(q), q.element_size(), max(head_dim, head_dim_v),
+                                                     seqlen_q, batch * heads_q, packed)
         num_m_blocks = cdiv(seqlen_q, cfg.block_m)
         self.grid = (num_m_blocks * batch * heads_q, 1, 1)
         lse_strides = (0, q.shape[0]) if packed else (heads_q * seqlen_q, seqlen_q)
@@ -81,21 +86,21 @@ class ForwardPlan:
         self.kernel_options = (*lse_strides, heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k,
                                *token_totals(q, k, packed), num_m_blocks,
                                *kernel_window(causal, window_size), head_dim, head_dim_block(head_dim),
-                               cfg.block_m, cfg.block_n, causal, softcap > 0, packed, write_lse)
+                               head_dim_v, head_dim_block(head_dim_v), cfg.block_m, cfg.block_n, causal, softcap > 0, packed, write_lse)
         self.launch_tail = None
         self.causal = causal
         self.window = kernel_window(causal, window_size)
         # Large dense 16-bit calls on sm90 take the TMA kernels when the tensors allow it.
-        flops = attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim)
+        flops = attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, head_dim_v=head_dim_v)
         self.hopper = self.decode = None
-        if (config is None and not packed and not self.contiguous
+        if (config is None and not packed and not self.contiguous and head_dim_v == head_dim
                 and takes_decode(q.element_size(), seqlen_q, heads_q // k.shape[1], seqlen_k)):
             # A short query against many keys: the KV-cache kernels, the keys as a full cache.
             self.decode = DecodePlan(q.transpose(1, 2), k.transpose(1, 2), None, causal, window_size, 0)
         elif config is None and not packed and not self.contiguous and q.is_cuda:
             masked = causal or any(w >= 0 for w in window_size)
             hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops, softcap > 0, masked,
-                                               seqlen_k)
+                                               seqlen_k, head_dim_v)
             if hopper_cfg is not None and descriptors.supports(q, k, v):
                 self.hopper = hopper_cfg
 
@@ -113,7 +118,7 @@ def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, 
     Packed batches pass their cumulative lengths and `sequence_order` (`varlen.longest_first`)."""
     if plan.contiguous:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_strided(q.shape, plan.out_strides, dtype=q.dtype, device=q.device)
+    out = torch.empty_strided(plan.out_shape, plan.out_strides, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if write_lse else None
     if plan.empty:
         return out, lse
@@ -150,16 +155,17 @@ def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, 
 def launch_tma(q, k, v, out, lse, scale, softcap, config, window, *, causal, device_index=None,
                key=None) -> None:
     """The Triton TMA kernel (`_kernels/forward_hopper.py`): writes out (and lse, (B, Hq, Sq)
-    float32, unless None) for dense q (B, Hq, Sq, D) and k, v (B, Hkv, Sk, D); `window` is the
+    float32, unless None) for dense q (B, Hq, Sq, D), k (B, Hkv, Sk, D) and v (B, Hkv, Sk, D_v),
+    out (B, Hq, Sq, D_v); `window` is the
     kernel's (window_left, window_right); scale >= 0 (callers negate q for a negative one). `key` as
     for `KernelLauncher.launch`: the descriptors are built per call (they hold data pointers), and
     what Triton specialises on, their dtype and tile shape, follows from the dtypes and `config`,
     which the caller's key determines."""
     batch, heads_q, seqlen_q, head_dim = q.shape
-    block_d = head_dim_block(head_dim)
+    block_d, block_dv = head_dim_block(head_dim), head_dim_block(v.shape[-1])
 
     def describe(t, rows):
-        return descriptors.tma_descriptor(t, rows, block_d)
+        return descriptors.tma_descriptor(t, rows, head_dim_block(t.shape[-1]))
 
     num_m_blocks = -(-seqlen_q // config.block_m)
     _HOPPER.launch(
@@ -168,7 +174,7 @@ def launch_tma(q, k, v, out, lse, scale, softcap, config, window, *, causal, dev
          describe(out, config.block_m), out if lse is None else lse,
          scale * LOG2E, scale / softcap if softcap else 0.0, softcap * LOG2E, heads_q * seqlen_q, seqlen_q,
          heads_q, heads_q // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, *window,
-         block_d, config.block_m, config.block_n, causal, softcap > 0, lse is not None),
+         block_d, block_dv, config.block_m, config.block_n, causal, softcap > 0, lse is not None),
         num_warps=config.num_warps, num_stages=config.num_stages, device_index=device_index)
 
 
@@ -177,28 +183,30 @@ def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, persistent
     """As `launch_tma`, through the Gluon kernel (`_kernels/forward_gluon.py`): no softcap;
     config.block_m query rows per tile, 16 per warp of its four-warp consumers (config.num_warps
     is a consumer's), so block_m = 128 runs two consumers and 192 three. `persistent` (default:
-    `configs.gluon_persistent`): one program per SM walks the tiles; else one program per tile."""
+    `configs.gluon_persistent`): one program per SM walks the tiles; else one program per tile.
+    v (and out) may have a head dim of their own (MLA) where `configs.gluon_separate_output` holds."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    block_d = head_dim_block(head_dim)
+    block_d, block_dv = head_dim_block(head_dim), head_dim_block(v.shape[-1])
     rows, consumers = gluon_forward_tiles(config)
     num_m_blocks = -(-seqlen_q // config.block_m)
     tiles = num_m_blocks * batch * heads_q
     if persistent is None:
         persistent = gluon_persistent(causal, seqlen_k)
     programs = min(tiles, info_for(q).sm_count) if persistent else tiles
-    section = gluon_forward_section(heads_q // heads_kv, seqlen_k, block_d, q.element_size(), causal and not persistent)
+    section = gluon_forward_section(heads_q // heads_kv, seqlen_k, (block_d + block_dv) // 2, q.element_size(),
+                                    causal and not persistent)
 
     def describe(t, tile_rows):
-        return descriptors.gluon_descriptor(t, tile_rows, block_d)
+        return descriptors.gluon_descriptor(t, tile_rows, head_dim_block(t.shape[-1]))
 
     _GLUON.launch(
         key, (programs, 1, 1),
         (describe(q, rows), describe(k, config.block_n), describe(v, config.block_n), describe(out, rows),
          out if lse is None else lse, scale * LOG2E, heads_q * seqlen_q, seqlen_q,
          heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks, batch * heads_q, section, *window,
-         rows, config.block_n, block_d, config.num_stages, causal, lse is not None, consumers,
-         gluon_separate_output(config, block_d), persistent),
+         rows, config.block_n, block_d, block_dv, config.num_stages, causal, lse is not None, consumers,
+         gluon_separate_output(config, block_d, block_dv), persistent),
         num_warps=4, num_stages=1, device_index=device_index)
 
 

@@ -72,16 +72,16 @@ def flash_attention_backward(grad_output, q, k, v, output, softmax_lse, causal=F
     """Gradients of fused attention; returns (dq, dk, dv).
 
     Args:
-        grad_output: (B, Hq, Sq, D) gradient of the attention output, the dtype of q; any strides.
+        grad_output: (B, Hq, Sq, D_v) gradient of the attention output, the dtype of q; any strides.
         q, k, v, causal, softmax_scale, window_size, softcap: the forward call's arguments (see
             `flash_attention_science`).
-        output: (B, Hq, Sq, D) the forward's output.
+        output: (B, Hq, Sq, D_v) the forward's output.
         softmax_lse: (B, Hq, Sq) float32, the lse `flash_attention_forward` returned.
         deterministic: accepted for compatibility with flash-attn. Gradients are always bitwise
             reproducible here: every element of dq, dk and dv is summed by one program in a fixed
             order (dQ has its own kernel instead of atomic adds), so True costs nothing.
 
-    dq has q's layout and dtype, dk and dv those of k and v: (B, Hkv, Sk, D), summed over the
+    dq has q's layout and dtype, dk and dv those of k and v, summed over the
     query heads of each group under GQA/MQA. Rows that saw no key get zero gradients. fp32
     inputs' products follow torch's float32 matmul precision (see `flash_attention_science`).
     Memory beyond the outputs is O(B * Hq * Sq).
@@ -98,8 +98,11 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
         q: (B, Hq, Sq, D) query, fp16, bf16 or fp32. fp32 products on the GPU follow
             `torch.get_float32_matmul_precision()`: "highest" (PyTorch's default) runs 3xTF32,
             with errors near fp32's; "high" or "medium" one TF32 product (about 3x faster).
-        k, v: (B, Hkv, Sk, D) keys and values, the dtype of q. Hq must be a multiple of Hkv
-            (grouped-query / multi-query attention); K and V are never repeated in memory.
+        k, v: (B, Hkv, Sk, D) keys and (B, Hkv, Sk, D_v) values, the dtype of q. Hq must be a
+            multiple of Hkv (grouped-query / multi-query attention); K and V are never repeated
+            in memory. D_v may differ from D, as in DeepSeek's multi-head latent attention (MLA:
+            D = 192, D_v = 128 in prefill and training); the output then has D_v. Such calls run
+            the Triton kernels (the Gluon ones on Hopper take D_v = D only).
         causal: mask scores above the diagonal. The diagonal is aligned bottom-right: query i sees
             keys j <= i + (Sk - Sq), as in flash-attn >= 2.1 and as decoding with a KV cache needs.
             This differs from `scaled_dot_product_attention(is_causal=True)` when Sq != Sk (SDPA
@@ -115,7 +118,7 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
         deterministic: accepted for compatibility with flash-attn. The backward is always bitwise
             reproducible (no atomic adds: dQ has its own kernel), so True costs nothing.
 
-    Any Sq, Sk >= 0 and any D from 16 to 256. Inputs may have any strides with unit stride in D
+    Any Sq, Sk >= 0 and any D, D_v from 16 to 256. Inputs may have any strides with unit stride in D
     (such as (B, S, H, D).transpose(1, 2) views), which are read in place; a tensor whose last
     dimension is not contiguous is copied first. The output has q's layout and dtype.
 
@@ -126,7 +129,7 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
     from q, k and lse instead of storing them.
 
     Returns:
-        out (B, Hq, Sq, D), or (out, lse) when return_lse.
+        out (B, Hq, Sq, D_v), or (out, lse) when return_lse.
     """
     check_flags(deterministic, return_lse)
     try:

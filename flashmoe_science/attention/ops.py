@@ -26,10 +26,10 @@ from .layouts import output_like
 
 def _output_fake(q, k, v):
     # The real forward copies all of q, k, v when one has a non-unit stride in D, and the
-    # output takes the layout of the q it ran on.
+    # output takes the layout of the q it ran on, with v's head dim.
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q = q.contiguous()
-    return output_like(q)
+    return output_like(q, v.shape[-1])
 
 
 def _gradients_fake(q, k, v):

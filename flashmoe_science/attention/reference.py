@@ -36,7 +36,8 @@ def band_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-
 
 
 def attention_reference(q, k, v, causal=False, softmax_scale=None, upcast=True, *, window_size=(-1, -1), softcap=0.0):
-    """Returns (out, lse): q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), lse (B, Hq, Sq) natural log.
+    """Returns (out, lse): q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, D_v), out (B, Hq, Sq, D_v),
+    lse (B, Hq, Sq) natural log.
 
     Scores are softmax_scale * q.k, then softcap * tanh(scores / softcap) when softcap > 0, then
     masked to `band_mask(causal, window_size)`. Rows that see no key give out = 0 and
@@ -63,8 +64,9 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, upcast=True, 
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, upcast=True,
                                *, window_size=(-1, -1), softcap=0.0):
-    """Returns (out, lse) of a packed batch: q (total_q, Hq, D), k and v (total_k, Hkv, D),
-    cu_seqlens_* (batch + 1,) cumulative lengths; out (total_q, Hq, D), lse (Hq, total_q).
+    """Returns (out, lse) of a packed batch: q (total_q, Hq, D), k (total_k, Hkv, D) and v
+    (total_k, Hkv, D_v), cu_seqlens_* (batch + 1,) cumulative lengths; out (total_q, Hq, D_v),
+    lse (Hq, total_q).
 
     Sequence b is queries cu_seqlens_q[b]:cu_seqlens_q[b + 1] against keys
     cu_seqlens_k[b]:cu_seqlens_k[b + 1], through `attention_reference` on its own.
@@ -80,5 +82,6 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     if not outs:
-        return q.new_empty(q.shape), torch.empty(q.shape[1], 0, dtype=torch.float32, device=q.device)
+        return q.new_empty((*q.shape[:-1], v.shape[-1])), torch.empty(q.shape[1], 0, dtype=torch.float32,
+                                                                     device=q.device)
     return torch.cat(outs), torch.cat(lses, dim=1)

@@ -245,7 +245,7 @@ def varlen_backward(grad_output, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
         key = plan = None
     if plan is None:
         _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        check_backward_tensors(grad_output, q, out, lse, (q.shape[1], q.shape[0]), "(heads_q, total_q)")
+        check_backward_tensors(grad_output, q, v, out, lse, (q.shape[1], q.shape[0]), "(heads_q, total_q)")
         plan = BackwardPlan(tensors, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
                              softcap, True)
         if key is not None:
@@ -284,8 +284,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Args:
         q: (total_q, Hq, D) the queries of every sequence, one after the other; fp16, bf16 or
             fp32 (see `flash_attention_science` for fp32's precision).
-        k, v: (total_k, Hkv, D) keys and values, packed the same way, the dtype of q; Hq must be
-            a multiple of Hkv (GQA / MQA).
+        k, v: (total_k, Hkv, D) keys and (total_k, Hkv, D_v) values, packed the same way, the
+            dtype of q; Hq must be a multiple of Hkv (GQA / MQA). D_v may differ from D (MLA, as
+            in `flash_attention_science`).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths on q's device:
             sequence b has queries cu_seqlens_q[b]:cu_seqlens_q[b + 1] and keys
             cu_seqlens_k[b]:cu_seqlens_k[b + 1]. They start at 0, never decrease and end at
@@ -308,7 +309,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     `flashmoe_science::attention_varlen_forward` and `::attention_varlen_backward`.
 
     Returns:
-        out (total_q, Hq, D) with q's layout and dtype, or (out, lse) when return_lse.
+        out (total_q, Hq, D_v) with q's layout and dtype, or (out, lse) when return_lse.
     """
     check_flags(deterministic, return_lse)
     try:

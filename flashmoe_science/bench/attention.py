@@ -52,7 +52,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sections", default=None,
                         help="comma list of overhead,small,throughput,memory,train,varlen,window,calls (default: "
                              "overhead,small,throughput for fwd, throughput,memory,train otherwise)")
-    parser.add_argument("--head-dims", default="64,128,256", help="throughput head dims")
+    parser.add_argument("--head-dims", default="64,128,256",
+                        help="throughput head dims; D/D_v gives v a head dim of its own (MLA: 192/128), whose "
+                             "results go to attention_<mode>_mla")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="throughput sequence lengths")
     parser.add_argument("--flex-head-dims", default="128",
                         help="head dims at which compiled FlexAttention is measured (each shape compiles)")
@@ -86,17 +88,33 @@ def _timed_call(fn, inputs, mode):
     q, k, v = inputs
     if mode == "fwd":
         return lambda: fn(q, k, v)
-    grad = torch.randn_like(q)
+    grad = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)  # the output's shape
     if mode == "bwd":
         out = fn(q, k, v)
         return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
     return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
 
 
-def make_inputs(batch, heads, seqlen, head_dim, dtype, device, requires_grad=False):
-    """q, k, v: (B, S, H, D) memory viewed as (B, H, S, D), the layout models produce."""
-    return tuple(torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=device)
-                 .transpose(1, 2).requires_grad_(requires_grad) for _ in range(3))
+def make_inputs(batch, heads, seqlen, head_dim, dtype, device, requires_grad=False, head_dim_v=None):
+    """q, k, v: (B, S, H, D) memory viewed as (B, H, S, D), the layout models produce; v with
+    head_dim_v where given."""
+    dims = (head_dim, head_dim, head_dim_v or head_dim)
+    return tuple(torch.randn(batch, seqlen, heads, d, dtype=dtype, device=device)
+                 .transpose(1, 2).requires_grad_(requires_grad) for d in dims)
+
+
+def head_dim_pairs(text) -> list[tuple[int, int]]:
+    """(D, D_v) of each comma-separated entry: "128" (D_v = D) or "192/128"."""
+    pairs = []
+    for entry in text.split(","):
+        d, _, dv = entry.partition("/")
+        pairs.append((int(d), int(dv or d)))
+    return pairs
+
+
+def head_dims_label(head_dim: int, head_dim_v: int):
+    """A row's head_dim: the int D, or "D/D_v" where v's differs."""
+    return head_dim if head_dim_v == head_dim else f"{head_dim}/{head_dim_v}"
 
 
 def _small(args, device):
@@ -193,11 +211,12 @@ def _causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def _reference_errors(impls, seqlen, head_dim, causal, mode, device):
+def _reference_errors(impls, seqlen, head_dim, causal, mode, device, head_dim_v=None):
     """Relative error vs float64 of each implementation on one (batch, head) slice: the
     output for fwd, the worst of dq/dk/dv otherwise. Backend errors run in their own context."""
     from torch.nn.attention import sdpa_kernel
-    q, k, v = make_inputs(1, 1, seqlen, head_dim, torch.bfloat16, device, requires_grad=mode != "fwd")
+    q, k, v = make_inputs(1, 1, seqlen, head_dim, torch.bfloat16, device, requires_grad=mode != "fwd",
+                          head_dim_v=head_dim_v)
     ref_inputs = [t.detach().double().requires_grad_(mode != "fwd") for t in (q, k, v)]
     ref, _ = attention_reference(*ref_inputs, causal=causal)
     grad = torch.randn_like(ref)
@@ -230,8 +249,8 @@ def _throughput(args, device):
     rows = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     flex_dims = set(ints(args.flex_head_dims))
-    cases = list(itertools.product(ints(args.head_dims), ints(args.seqlens), [False, True]))
-    for head_dim, seqlen, causal in args.progress(cases, desc=f"attention throughput {args.mode}"):
+    cases = list(itertools.product(head_dim_pairs(args.head_dims), ints(args.seqlens), [False, True]))
+    for (head_dim, head_dim_v), seqlen, causal in args.progress(cases, desc=f"attention throughput {args.mode}"):
         heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
         impls = {"ours": (lambda q, k, v: flash_attention_science(q, k, v, causal=causal), None)}
         for name, backend in _sdpa_backends().items():
@@ -241,13 +260,14 @@ def _throughput(args, device):
                 impls["flex"] = (_flex_impl(seqlen, causal, device), None)
             except Exception as exc:
                 rows.append(dict(section="throughput", mode=args.mode, impl="flex", error=repr(exc)[:200]))
-        inputs = make_inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device, requires_grad=args.mode != "fwd")
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, args.mode)
-        errors = _reference_errors(impls, seqlen, head_dim, causal, args.mode, device)
+        inputs = make_inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device, requires_grad=args.mode != "fwd",
+                             head_dim_v=head_dim_v)
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, args.mode, head_dim_v=head_dim_v)
+        errors = _reference_errors(impls, seqlen, head_dim, causal, args.mode, device, head_dim_v)
         timings = {}
         for name, (fn, backend) in impls.items():
             row = dict(section="throughput", mode=args.mode, impl=name, batch=batch, heads=heads, seqlen=seqlen,
-                       head_dim=head_dim, causal=causal, dtype="bfloat16")
+                       head_dim=head_dims_label(head_dim, head_dim_v), causal=causal, dtype="bfloat16")
             try:
                 with sdpa_kernel(backend) if backend is not None else _null():
                     t = time_gpu(_timed_call(fn, inputs, args.mode), warmup_ms=args.warmup, rep_ms=args.rep,
@@ -430,6 +450,8 @@ def run(args) -> dict:
                      "train": _train}[section](args, device)
         checkpoint(rows)
     name = "attention_" + "_".join(sections + [mode]) if separate else "attention_" + mode
+    if "/" in args.head_dims and "throughput" in sections:
+        name += "_mla"  # beside, not over, the equal-head-dim results
     return {"name": name, "rows": rows, "meta": meta}
 
 

@@ -52,6 +52,12 @@ def _attention_small(rows) -> str:
     return "\n".join(out) + "\n"
 
 
+def _head_dims_order(head_dim) -> tuple:
+    """A row's head_dim (D, or "D/D_v" where v's differs) as a sortable (D, D_v)."""
+    d, _, dv = str(head_dim).partition("/")
+    return int(d), int(dv or d)
+
+
 def _attention_throughput(rows, ceiling=None) -> str:
     """TFLOP/s of every implementation by (D, S, causal), ours' time ratios to the PyTorch
     backends, and (given the run's bf16 matmul `ceiling`) ours and cuDNN as a share of it."""
@@ -65,7 +71,7 @@ def _attention_throughput(rows, ceiling=None) -> str:
         [f"ours / {_IMPL_NAMES.get(i, i)}" for i in others if i in ("sdpa_flash", "sdpa_cudnn", "flex")] + \
         [f"{_IMPL_NAMES[i]} / matmul" for i in shares]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (d, s, causal), by in sorted(grid.items()):
+    for (d, s, causal), by in sorted(grid.items(), key=lambda item: (_head_dims_order(item[0][0]), *item[0][1:])):
         cells = [str(d), str(s), "yes" if causal else "no"]
         cells += [_fmt(by.get(i, {}).get("tflops")) for i in impls]
         cells += [_ratio_ci(by[i]) if i in by else "" for i in others if i in ("sdpa_flash", "sdpa_cudnn", "flex")]

@@ -109,8 +109,9 @@ def _unsupported(what: str) -> NotImplementedError:
 
 def fms_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                           softcap=None, is_causal=None, **kwargs):
-    """transformers' attention contract: query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D);
-    returns (output (B, Sq, Hq, D), None)."""
+    """transformers' attention contract: query (B, Hq, Sq, D), key (B, Hkv, Sk, D) and value
+    (B, Hkv, Sk, D_v) (D_v = D but in MLA models such as DeepSeek-V3); returns (output (B, Sq, Hq,
+    D_v), None)."""
     if dropout and module.training:
         raise _unsupported(f"attention dropout in training (dropout={dropout})")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
@@ -141,6 +142,7 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
     if (not causal or seqlen_q * (heads_q // key.shape[1]) > DECODE_MAX_BLOCK_M[query.element_size()]
+            or value.shape[-1] != dim  # the KV-cache kernels take one head dim
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))):
         return None
     mask, filled, _ = _split_mask(mask, seqlen_q, seqlen_k)  # a static cache: slots past `filled` are unfilled
@@ -165,7 +167,7 @@ def _padded_attention(query, key, value, mask, causal, options):
     last Sk entries of a 2-D mask, or the static-cache form's), query b's the last Sq filled slots;
     outputs of padding queries are 0. Keys past the filled slots (a static cache) are unfilled."""
     batch, heads_q, seqlen_q, dim = query.shape
-    seqlen_k = key.shape[2]
+    seqlen_k, dim_v = key.shape[2], value.shape[-1]
     mask, _, q_mask = _split_mask(mask, seqlen_q, seqlen_k)
     if mask.shape[1] < seqlen_k:
         mask = F.pad(mask, (0, seqlen_k - mask.shape[1]), value=False)
@@ -177,11 +179,11 @@ def _padded_attention(query, key, value, mask, causal, options):
     cu_q = torch.cat([zero, lengths_q.cumsum(0, dtype=torch.int32)])
     q = query.transpose(1, 2).reshape(batch * seqlen_q, heads_q, dim)[q_index]
     k = key.transpose(1, 2).reshape(batch * seqlen_k, key.shape[1], dim)[k_index]
-    v = value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], dim)[k_index]
+    v = value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], dim_v)[k_index]
     out = flash_attention_varlen(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal, **options)
-    full = out.new_zeros(batch * seqlen_q, heads_q, dim)
+    full = out.new_zeros(batch * seqlen_q, heads_q, dim_v)
     full = full.index_copy(0, q_index, out)
-    return full.view(batch, seqlen_q, heads_q, dim)
+    return full.view(batch, seqlen_q, heads_q, dim_v)
 
 
 def _fallback_reason(module, hidden_states, top_k: int) -> str | None:

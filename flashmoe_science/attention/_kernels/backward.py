@@ -145,9 +145,10 @@ def _scores_to_probabilities(qk, lse_log2, scale_log2, softcap_scale, softcap_lo
 
 @triton.jit
 def _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, h, i, first_m, num_first, second_m, b64, acc_b,
-                    q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo, diag_hi, scale_log2,
+                    q_tile, do_tile, offs_m, keys, offs_d, offs_dv, q_start, seqlen_q, diag_lo, diag_hi, scale_log2,
                     softcap_scale, softcap_log2, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                     stride_dom, stride_lb, stride_lh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
                     TMA: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Query head `h`'s query block `i` of a loop: one BLOCK_M block of query rows against the
@@ -164,12 +165,12 @@ def _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, h, i, first_m, num_fir
     if TMA:
         coords = [acc_b, h64.to(tl.int32), q_start + start_m, 0]
         q = _descriptor_tile(Q, coords, rows, seqlen_q, BLOCK_M, BLOCK_D, MASKED and VARLEN)
-        do = _descriptor_tile(DO, coords, rows, seqlen_q, BLOCK_M, BLOCK_D, MASKED and VARLEN)
+        do = _descriptor_tile(DO, coords, rows, seqlen_q, BLOCK_M, BLOCK_DV, MASKED and VARLEN)
     else:
         q_ptrs = Q + (b64 * stride_qb + h64 * stride_qh + row64 * stride_qm) + q_tile
         do_ptrs = DO + (b64 * stride_dob + h64 * stride_doh + row64 * stride_dom) + do_tile
         q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do = load_tile(do_ptrs, rows, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
     if MASKED:
         lse_log2 = tl.load(LSE_LOG2 + row_offsets, mask=rows < seqlen_q, other=float("inf"))
         delta = tl.load(DELTA + row_offsets, mask=rows < seqlen_q, other=0.0)
@@ -204,9 +205,11 @@ def attention_backward_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_lb, stride_lh,
     num_heads_kv, group_size, seqlen_q, seqlen_k, total_q, total_k, num_n_blocks, window_left, window_right,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """q, k, dk: head dim HEAD_DIM (tiles of BLOCK_D); v, dO, dv: HEAD_DIM_V (BLOCK_DV)."""
     # Key blocks of one kv head are adjacent in the grid so that they share Q and dO in L2. Under
     # causal masking the first key blocks are seen by the most query rows: heaviest run first.
     pid = tl.program_id(0)
@@ -225,6 +228,7 @@ def attention_backward_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     keys = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     keys64 = (k_start + keys[:, None]).to(tl.int64)
     acc_b = 0 if VARLEN else b  # a packed batch is one (1, H, total, D) entry of descriptors
     if TMA:
@@ -233,14 +237,14 @@ def attention_backward_dkdv_kernel(
         k = _descriptor_tile(K, [acc_b, h_kv64.to(tl.int32), k_start + start_n, 0], keys, seqlen_k, BLOCK_N,
                              BLOCK_D, False)
         v = _descriptor_tile(V, [acc_b, h_kv64.to(tl.int32), k_start + start_n, 0], keys, seqlen_k, BLOCK_N,
-                             BLOCK_D, False)
+                             BLOCK_DV, False)
     else:
         k = load_tile(K + b64 * stride_kb + h_kv64 * stride_kh + keys64 * stride_kn + offs_d[None, :], keys,
                       seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
-        v = load_tile(V + b64 * stride_vb + h_kv64 * stride_vh + keys64 * stride_vn + offs_d[None, :], keys,
-                      seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        v = load_tile(V + b64 * stride_vb + h_kv64 * stride_vh + keys64 * stride_vn + offs_dv[None, :], keys,
+                      seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # The query rows that see these keys, by the band mirrored (key j sees query i when
     # -diag_hi <= i - j <= -diag_lo): blocks on the band's edges and the partial last query
@@ -256,7 +260,7 @@ def attention_backward_dkdv_kernel(
     # heads around three block loops: nested and repeated loop bodies cost registers, which this
     # kernel (two fp32 BLOCK_N x D accumulators plus two BLOCK_N x BLOCK_M score tiles) lacks.
     q_tile = offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
-    do_tile = offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :]
+    do_tile = offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :]
     # Each loop walks (query head of the group, query block) pairs with counters, the head moving
     # on when the block count wraps: an integer division per step, and lse turned into base 2 in
     # the step, cost 88 of its 443 SASS instructions (sm90, D = 64) and 3 to 5% of the backward.
@@ -265,10 +269,10 @@ def attention_backward_dkdv_kernel(
     i = 0
     for _ in range(0, group_size * num_masked):
         dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, h, i, lo, num_before, full_hi,
-                                 b64, acc_b, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo,
+                                 b64, acc_b, q_tile, do_tile, offs_m, keys, offs_d, offs_dv, q_start, seqlen_q, diag_lo,
                                  diag_hi, scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh, stride_qm,
                                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, HEAD_DIM, BLOCK_D,
-                                 BLOCK_M, BLOCK_N, True, SOFTCAP, TMA, VARLEN, DOT_PRECISION)
+                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, True, SOFTCAP, TMA, VARLEN, DOT_PRECISION)
         i += 1
         h = tl.where(i == num_masked, h + 1, h)
         i = tl.where(i == num_masked, 0, i)
@@ -276,10 +280,10 @@ def attention_backward_dkdv_kernel(
     i = 0
     for _ in range(0, group_size * num_full):
         dk, dv = _key_block_step(dk, dv, k, v, Q, DO, LSE_LOG2, DELTA, h, i, full_lo, num_full, full_lo,
-                                 b64, acc_b, q_tile, do_tile, offs_m, keys, offs_d, q_start, seqlen_q, diag_lo,
+                                 b64, acc_b, q_tile, do_tile, offs_m, keys, offs_d, offs_dv, q_start, seqlen_q, diag_lo,
                                  diag_hi, scale_log2, softcap_scale, softcap_log2, stride_qb, stride_qh, stride_qm,
                                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, HEAD_DIM, BLOCK_D,
-                                 BLOCK_M, BLOCK_N, False, SOFTCAP, TMA, VARLEN, DOT_PRECISION)
+                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, False, SOFTCAP, TMA, VARLEN, DOT_PRECISION)
         i += 1
         h = tl.where(i == num_full, h + 1, h)
         i = tl.where(i == num_full, 0, i)
@@ -287,19 +291,20 @@ def attention_backward_dkdv_kernel(
     dk = dk * softmax_scale
     if TMA and not VARLEN:  # the descriptor drops rows past Sk and columns past HEAD_DIM
         DK.store([b, h_kv64.to(tl.int32), start_n, 0], dk.to(DK.dtype).reshape(1, 1, BLOCK_N, BLOCK_D))
-        DV.store([b, h_kv64.to(tl.int32), start_n, 0], dv.to(DV.dtype).reshape(1, 1, BLOCK_N, BLOCK_D))
+        DV.store([b, h_kv64.to(tl.int32), start_n, 0], dv.to(DV.dtype).reshape(1, 1, BLOCK_N, BLOCK_DV))
     else:
         dk_ptrs = DK + b64 * stride_dkb + h_kv64 * stride_dkh + keys64 * stride_dkn + offs_d[None, :]
-        dv_ptrs = DV + b64 * stride_dvb + h_kv64 * stride_dvh + keys64 * stride_dvn + offs_d[None, :]
-        key_mask = (keys[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_mask)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_mask)
+        dv_ptrs = DV + b64 * stride_dvb + h_kv64 * stride_dvh + keys64 * stride_dvn + offs_dv[None, :]
+        key_ok = keys[:, None] < seqlen_k
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok & (offs_d[None, :] < HEAD_DIM))
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
 def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, lo, num_first, second_n, rows,
-                      offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2, stride_kn,
-                      stride_vn, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      offs_n, offs_d, offs_dv, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
+                      stride_kn, stride_vn, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                       MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     """The program's BLOCK_M query rows against key block `i` of a loop: one run of blocks from
@@ -313,11 +318,11 @@ def _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, 
     if TMA:
         coords = [kv_coords[0], kv_coords[1], kv_coords[2] + start_n, 0]
         k = _descriptor_tile(k_ptrs, coords, keys, seqlen_k, BLOCK_N, BLOCK_D, MASKED and VARLEN)
-        v = _descriptor_tile(v_ptrs, coords, keys, seqlen_k, BLOCK_N, BLOCK_D, MASKED and VARLEN)
+        v = _descriptor_tile(v_ptrs, coords, keys, seqlen_k, BLOCK_N, BLOCK_DV, MASKED and VARLEN)
     else:
         start64 = tl.cast(start_n, tl.int64)  # row offsets of long (B, S, H, D) inputs pass 2**31 elements
         k = load_tile(k_ptrs + start64 * stride_kn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = load_tile(v_ptrs + start64 * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_tile(v_ptrs + start64 * stride_vn, keys, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     p, t = _scores_to_probabilities(s, lse_log2, scale_log2, softcap_scale, softcap_log2,
                                     SOFTCAP, False)
@@ -346,10 +351,12 @@ def attention_backward_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, total_q, total_k, num_m_blocks, window_left, window_right,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr, DELTA_HERE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """q, k, dq: head dim HEAD_DIM (tiles of BLOCK_D); v, dO, O: HEAD_DIM_V (BLOCK_DV)."""
     # Query blocks of one head adjacent (they share K and V in L2); under causal masking the last
     # query block sees the most keys, so blocks run last-first to shorten the tail.
     pid = tl.program_id(0)
@@ -370,6 +377,7 @@ def attention_backward_dq_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     in_q = rows < seqlen_q
     rows64 = (q_start + rows[:, None]).to(tl.int64)
     tma_b = 0 if VARLEN else b  # a packed batch is one (1, H, total, D) entry of the descriptors
@@ -378,22 +386,22 @@ def attention_backward_dq_kernel(
         # Query rows past a packed sequence's end (the next sequence's) only reach their own,
         # unstored dQ rows: their lse reads as -inf, so every p of theirs is 0.
         q = Q.load([tma_b, h, q_start + start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-        do = DO.load([tma_b, h, q_start + start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = DO.load([tma_b, h, q_start + start_m, 0]).reshape(BLOCK_M, BLOCK_DV)
         k_ptrs = K
         v_ptrs = V
     else:
         q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + rows64 * stride_qm + offs_d[None, :], rows, seqlen_q,
                       offs_d, HEAD_DIM, BLOCK_D, True)
-        do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + rows64 * stride_dom + offs_d[None, :], rows,
-                       seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + rows64 * stride_dom + offs_dv[None, :], rows,
+                       seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
         kv_rows = (k_start + offs_n[:, None]).to(tl.int64)
         k_ptrs = K + b64 * stride_kb + h_kv64 * stride_kh + kv_rows * stride_kn + offs_d[None, :]
-        v_ptrs = V + b64 * stride_vb + h_kv64 * stride_vh + kv_rows * stride_vn + offs_d[None, :]
+        v_ptrs = V + b64 * stride_vb + h_kv64 * stride_vh + kv_rows * stride_vn + offs_dv[None, :]
     row_offsets = b64 * stride_lb + h64 * stride_lh + (q_start + rows).to(tl.int64)
     lse_log2 = _lse_log2(tl.load(LSE + row_offsets, mask=in_q, other=float("-inf")))
     if DELTA_HERE:  # the preprocess's work on this program's rows, for it and the dK/dV kernel after it
-        o = load_tile(O + b64 * stride_ob + h64 * stride_oh + rows64 * stride_om + offs_d[None, :], rows, seqlen_q,
-                      offs_d, HEAD_DIM, BLOCK_D, True)
+        o = load_tile(O + b64 * stride_ob + h64 * stride_oh + rows64 * stride_om + offs_dv[None, :], rows, seqlen_q,
+                      offs_dv, HEAD_DIM_V, BLOCK_DV, True)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(DELTA + row_offsets, delta, mask=in_q)
         tl.store(LSE_LOG2 + row_offsets, lse_log2, mask=in_q)
@@ -409,14 +417,14 @@ def attention_backward_dq_kernel(
     num_before, num_full, num_after = _block_runs(lo, full_lo, full_hi, hi, BLOCK_N)
     for i in range(0, num_before + num_after):
         dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, lo, num_before, full_hi,
-                               rows, offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
-                               softcap_log2, stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, True, SOFTCAP, TMA,
-                               VARLEN, DOT_PRECISION)
+                               rows, offs_n, offs_d, offs_dv, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
+                               softcap_log2, stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                               True, SOFTCAP, TMA, VARLEN, DOT_PRECISION)
     for i in range(0, num_full):
         dq = _query_block_step(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, kv_coords, i, full_lo, num_full, full_lo,
-                               rows, offs_n, offs_d, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
-                               softcap_log2, stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, False, SOFTCAP, TMA,
-                               VARLEN, DOT_PRECISION)
+                               rows, offs_n, offs_d, offs_dv, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale,
+                               softcap_log2, stride_kn, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                               False, SOFTCAP, TMA, VARLEN, DOT_PRECISION)
 
     dq = no_key_rows_zero(dq, lse_log2) * softmax_scale
     if TMA and not VARLEN:

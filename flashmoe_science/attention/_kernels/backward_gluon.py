@@ -88,8 +88,11 @@ def attention_backward_dkdv_gluon_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA,
     softmax_scale, scale_log2, stride_lb, stride_lh,
     num_heads_kv, group_size, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):
+    """Q, K and dK tiles span BLOCK_D columns, V, dO and dV tiles BLOCK_DV (v's padded head dim,
+    which may differ: MLA)."""
     # Warpgroups split the keys (64 each), then the columns: with 64 keys and two warpgroups each
     # holds half of the dK and dV columns and half of the S^T, dP^T columns.
     WARPS_M: gl.constexpr = BLOCK_N // 16
@@ -99,7 +102,10 @@ def attention_backward_dkdv_gluon_kernel(
                                                        instr_shape=[16, BLOCK_M // WARPS_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
                                                          instr_shape=[16, BLOCK_D // WARPS_N, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+                                                        instr_shape=[16, BLOCK_DV // WARPS_N, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
     dtype: gl.constexpr = desc_q.dtype
 
     # Key blocks of one kv head adjacent (they share Q and dO in L2); under causal masking the
@@ -117,17 +123,18 @@ def attention_backward_dkdv_gluon_kernel(
     h_first = h_kv * group_size
 
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, BLOCK_D], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, BLOCK_D], desc_v.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, BLOCK_DV], desc_v.layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_D], desc_do.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_DV], desc_do.layout)
     if num_steps <= 0:
         # No query sees these keys: zero gradients. Returning here also spares the loop a path
         # that skips it, whose zeroed accumulators ptxas would take for writes into the
         # accumulators of wgmmas in flight, and serialize them (its warning C7515).
         k_smem.reshape([BLOCK_N, BLOCK_D]).store(gl.zeros([BLOCK_N, BLOCK_D], dtype, layout=acc_layout))
+        v_smem.reshape([BLOCK_N, BLOCK_DV]).store(gl.zeros([BLOCK_N, BLOCK_DV], dtype, layout=dv_layout))
         fence_async_shared()
         tma.async_copy_shared_to_global(desc_dk, [b, h_kv, start_n, 0], k_smem)
-        tma.async_copy_shared_to_global(desc_dv, [b, h_kv, start_n, 0], k_smem)
+        tma.async_copy_shared_to_global(desc_dv, [b, h_kv, start_n, 0], v_smem)
         tma.store_wait(0)
         return
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -148,11 +155,11 @@ def attention_backward_dkdv_gluon_kernel(
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_init = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, layout=acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, layout=acc_layout))
-    p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=op_layout)
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_DV], gl.float32, layout=dv_layout))
+    p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=p_layout)
     ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=op_layout)
     k = k_smem.reshape([BLOCK_N, BLOCK_D])
-    v = v_smem.reshape([BLOCK_N, BLOCK_D])
+    v = v_smem.reshape([BLOCK_N, BLOCK_DV])
     lse_base = LSE + b.to(gl.int64) * stride_lb
     delta_base = DELTA + b.to(gl.int64) * stride_lb
     mbarrier.wait(kv_bar, 0)
@@ -162,7 +169,7 @@ def attention_backward_dkdv_gluon_kernel(
         phase = (idx // NUM_STAGES) & 1
         h, start_m = _step_coordinates(idx, num_blocks, h_first, lo, BLOCK_M)
         q = q_smem.index(stage).reshape([BLOCK_M, BLOCK_D])
-        do = do_smem.index(stage).reshape([BLOCK_M, BLOCK_D])
+        do = do_smem.index(stage).reshape([BLOCK_M, BLOCK_DV])
         mbarrier.wait(q_bars.index(stage), phase)
         st_tok = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
         mbarrier.wait(do_bars.index(stage), phase)
@@ -178,7 +185,7 @@ def attention_backward_dkdv_gluon_kernel(
                    h_next, row_next, (idx > 0) & (prev < num_steps))
         p = _transposed_probabilities(st, lse_log2, keys, rows, start_m, full_lo, full_hi, diag_lo, diag_hi,
                                       scale_log2)
-        p_op = gl.convert_layout(p.to(dtype), op_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
         ds = (p * (dpt - delta[None, :])).to(dtype)
@@ -203,9 +210,11 @@ def attention_backward_dq_gluon_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dq, O, LSE, DELTA,
     softmax_scale, scale_log2, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    NUM_STAGES: gl.constexpr, DELTA_HERE: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr, DELTA_HERE: gl.constexpr,
 ):
+    """Q, K and dQ tiles span BLOCK_D columns, V and dO tiles BLOCK_DV; O (read for delta) has
+    v's head dim HEAD_DIM_V."""
     WARPS_M: gl.constexpr = BLOCK_M // 16  # as in the dK/dV kernel, with query rows resident
     WARPS_N: gl.constexpr = gl.num_warps() // WARPS_M
     gl.static_assert(WARPS_M % 4 == 0 and WARPS_M * WARPS_N == gl.num_warps(), "64 query rows per warpgroup")
@@ -231,9 +240,9 @@ def attention_backward_dq_gluon_kernel(
     num_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], desc_do.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_DV], desc_do.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_v.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_DV], desc_v.layout)
     qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -253,15 +262,15 @@ def attention_backward_dq_gluon_kernel(
     row_offsets = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows
     lse_log2 = _lse_log2(gl.load(LSE + row_offsets, mask=in_q, other=float("-inf")))
     q = q_smem.reshape([BLOCK_M, BLOCK_D])
-    do = do_smem.reshape([BLOCK_M, BLOCK_D])
+    do = do_smem.reshape([BLOCK_M, BLOCK_DV])
     mbarrier.wait(qdo_bar, 0)
     if DELTA_HERE:  # delta = rowsum(dO * O) of these rows, for this kernel and the dK/dV kernel after it
         tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         o_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile))
-        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, tile))
+        offs_d = gl.arange(0, BLOCK_DV, layout=gl.SliceLayout(0, tile))
         o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                   + o_rows.to(gl.int64)[:, None] * stride_om + offs_d[None, :])
-        o = gl.load(o_ptrs, mask=(o_rows < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        o = gl.load(o_ptrs, mask=(o_rows < seqlen_q)[:, None] & (offs_d < HEAD_DIM_V)[None, :], other=0.0)
         delta = gl.sum(o.to(gl.float32) * do.load(tile).to(gl.float32), 1)
         delta = gl.convert_layout(delta, rows_layout)
         gl.store(DELTA + row_offsets, delta, mask=in_q)
@@ -276,7 +285,7 @@ def attention_backward_dq_gluon_kernel(
         phase = (j // NUM_STAGES) & 1
         start_n = lo + j * BLOCK_N
         k = k_smem.index(stage).reshape([BLOCK_N, BLOCK_D])
-        v = v_smem.index(stage).reshape([BLOCK_N, BLOCK_D])
+        v = v_smem.index(stage).reshape([BLOCK_N, BLOCK_DV])
         mbarrier.wait(k_bars.index(stage), phase)
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_init, use_acc=False, is_async=True)
         mbarrier.wait(v_bars.index(stage), phase)

@@ -188,14 +188,14 @@ def finish(acc, l_i, m_i):
 
 
 @triton.jit
-def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, seqlen_k, diag_lo, diag_hi,
-                  scale_log2, softcap_scale, softcap_log2, stride_kn, stride_vn,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv, seqlen_k, diag_lo,
+                  diag_hi, scale_log2, softcap_scale, softcap_log2, stride_kn, stride_vn,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     cols = start_n + offs_n
     start64 = tl.cast(start_n, tl.int64)  # start_n * stride passes 2**31 on long (B, S, H, D) inputs
     k = load_tile(k_ptrs + start64 * stride_kn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != NO_EDGE)
-    v = load_tile(v_ptrs + start64 * stride_vn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != NO_EDGE)
+    v = load_tile(v_ptrs + start64 * stride_vn, cols, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED != NO_EDGE)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     return softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
                         softcap_scale, softcap_log2, MASKED, SOFTCAP, DOT_PRECISION)
@@ -211,10 +211,13 @@ def attention_forward_kernel(
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, total_q, total_k, num_m_blocks, window_left, window_right,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """q and k have head dim HEAD_DIM (padded to BLOCK_D in tiles), v and the output HEAD_DIM_V
+    (padded to BLOCK_DV): equal, or different as in MLA (192 and 128)."""
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
 
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
@@ -226,39 +229,43 @@ def attention_forward_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     b64 = b.to(tl.int64)
     q_rows = (q_start + offs_m[:, None]).to(tl.int64)
     q_ptrs = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_rows * stride_qm + offs_d[None, :]
     kv_rows = (k_start + offs_n[:, None]).to(tl.int64)
     k_ptrs = K + b64 * stride_kb + h_kv.to(tl.int64) * stride_kh + kv_rows * stride_kn + offs_d[None, :]
-    v_ptrs = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + kv_rows * stride_vn + offs_d[None, :]
+    v_ptrs = V + b64 * stride_vb + h_kv.to(tl.int64) * stride_vh + kv_rows * stride_vn + offs_dv[None, :]
 
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     diag_lo, diag_hi, lo, full_lo, full_hi, hi = visible_band(pid_m, seqlen_q, seqlen_k, window_left, window_right,
                                                                BLOCK_M, BLOCK_N)
     for start_n in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, BOTH_EDGES, SOFTCAP, DOT_PRECISION)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BOTH_EDGES, SOFTCAP,
+                                      DOT_PRECISION)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, NO_EDGE, SOFTCAP, DOT_PRECISION)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, NO_EDGE, SOFTCAP,
+                                      DOT_PRECISION)
     for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d,
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, RIGHT_EDGE, SOFTCAP, DOT_PRECISION)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, RIGHT_EDGE, SOFTCAP,
+                                      DOT_PRECISION)
 
     out, lse = finish(acc, l_i, m_i)
-    o_ptrs = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_rows * stride_om + offs_d[None, :]
+    o_ptrs = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_rows * stride_om + offs_dv[None, :]
     row_mask = offs_m[:, None] < seqlen_q
-    if BLOCK_D != HEAD_DIM:
-        row_mask = row_mask & (offs_d[None, :] < HEAD_DIM)
+    if BLOCK_DV != HEAD_DIM_V:
+        row_mask = row_mask & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_mask)
     if WRITE_LSE:
         lse_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_start + offs_m).to(tl.int64)

@@ -208,9 +208,9 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, 
 def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                   k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
                   seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                  SEPARATE_O: gl.constexpr):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Consumer C's rows [C * BLOCK_M, (C + 1) * BLOCK_M) of one tile; `it` counts buffer uses
     across tiles (returned after this tile). It computes only the key blocks its own rows meet,
     gives the tile's others back unread, and releases each K and V buffer as soon as its own
@@ -219,14 +219,14 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                       instr_shape=[16, BLOCK_D, 16])
+                                                       instr_shape=[16, BLOCK_DV, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = desc_o.dtype
 
-    ROW_BOUNDS: gl.constexpr = (NUM_CONSUMERS == 2) & (BLOCK_D <= 128)  # where registers allow (`_softmax_block`)
+    ROW_BOUNDS: gl.constexpr = (NUM_CONSUMERS == 2) & (BLOCK_DV <= 128)  # where registers allow (`_softmax_block`)
     b, h, h_kv, pid_m = _tile_coordinates(tile, num_heads_q, group_size, num_m_blocks, batch_heads, section, CAUSAL)
     tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
     first_row = tile_row + C * BLOCK_M
@@ -249,7 +249,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
     s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
-    acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
+    acc = gl.zeros([BLOCK_M, BLOCK_DV], gl.float32, layout=o_layout)
     p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
     mbarrier.wait(q_ready.index(C), tile_iter & 1)
 
@@ -272,7 +272,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         s_tok = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
                               use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
-        o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, BLOCK_DV]), acc, is_async=True)
         # S_j is done when at most the P V product is in flight: its softmax overlaps that product.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)
@@ -288,7 +288,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
     if last > first:
         use = it + last - 1
         mbarrier.wait(v_ready.index(use % NUM_STAGES), (use // NUM_STAGES) & 1)
-        o_tok = warpgroup_mma(p, v_smem.index(use % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        o_tok = warpgroup_mma(p, v_smem.index(use % NUM_STAGES).reshape([BLOCK_N, BLOCK_DV]), acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         mbarrier.arrive(v_empty.index(use % NUM_STAGES), count=1)
 
@@ -298,7 +298,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
     o_buf = o_smem.index(C)
     if SEPARATE_O:
         tma.store_wait(0)  # the previous tile's store has read the buffer
-    o_buf.reshape([BLOCK_M, BLOCK_D]).store(out.to(dtype))
+    o_buf.reshape([BLOCK_M, BLOCK_DV]).store(out.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [b, h, first_row, 0], o_buf)
     if WRITE_LSE:
@@ -318,7 +318,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
 def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
               batch_heads, section, window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr,
               WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
               PERSISTENT: gl.constexpr):
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
@@ -331,13 +332,13 @@ def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_r
                 it = _consume_tile(tile, it, rounds_done, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready,
                                    q_empty, k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh,
                                    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
-                                   diag_lo, diag_hi, C, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE,
-                                   NUM_CONSUMERS, SEPARATE_O)
+                                   diag_lo, diag_hi, C, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL,
+                                   WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
     else:
         _consume_tile(gl.program_id(0), 0, 0, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                       k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size,
                       seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C, BLOCK_M, BLOCK_N,
-                      BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
+                      BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
     tma.store_wait(0)
 
 
@@ -346,9 +347,9 @@ def attention_forward_gluon_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,
     scale_log2, stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    SEPARATE_O: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
     """num_warps = 4 (the first consumer), NUM_CONSUMERS - 1 more four-warp consumers and a one-warp
     producer; NUM_CONSUMERS * BLOCK_M query rows per tile of `_tile_coordinates`' order. PERSISTENT:
@@ -357,16 +358,18 @@ def attention_forward_gluon_kernel(
     file: the producer's drops to 24 registers a thread and the consumers split the rest (240 each
     for two, 160 each for three). With SEPARATE_O the output leaves through its own buffers, so the
     next tile's Q loads while this one's last products run; without it (where shared memory is
-    short) through Q's."""
+    short) through Q's. Q and K tiles span BLOCK_D columns, V and O tiles BLOCK_DV (v's head dim,
+    which may differ: MLA; O then leaves through its own buffers)."""
     gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
+    gl.static_assert(SEPARATE_O | (BLOCK_DV == BLOCK_D), "O reuses Q's buffers only at Q's width")
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
     if SEPARATE_O:
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_D], desc_o.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_DV], desc_o.layout)
     else:
         o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_v.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_DV], desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -388,11 +391,11 @@ def attention_forward_gluon_kernel(
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                          window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
@@ -402,15 +405,15 @@ def attention_forward_gluon_kernel(
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 2, BLOCK_M, BLOCK_N,
-                         BLOCK_D, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                          window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),

@@ -17,10 +17,10 @@ from .forward import BOTH_EDGES, NO_EDGE, RIGHT_EDGE, finish, program_coordinate
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, lo, hi, offs_m, offs_n, seqlen_k, diag_lo, diag_hi,
                   scale_log2, softcap_scale, softcap_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                  BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N):
         k = desc_k.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = desc_v.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = desc_v.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
         qk = tl.dot(q, tl.trans(k))
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
                                      scale_log2, softcap_scale, softcap_log2, MASKED, SOFTCAP)
@@ -33,9 +33,10 @@ def attention_forward_hopper_kernel(
     scale_log2, softcap_scale, softcap_log2,
     stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
+    """desc_q, desc_k: tiles of BLOCK_D columns; desc_v, desc_o: BLOCK_DV (v's head dim, padded)."""
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -44,22 +45,22 @@ def attention_forward_hopper_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     diag_lo, diag_hi, lo, full_lo, full_hi, hi = visible_band(pid_m, seqlen_q, seqlen_k, window_left, window_right,
                                                                BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, lo, tl.minimum(full_lo, hi), offs_m,
                                   offs_n, seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, BOTH_EDGES, SOFTCAP)
+                                  BLOCK_N, BLOCK_D, BLOCK_DV, BOTH_EDGES, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, full_lo, full_hi, offs_m, offs_n,
                                   seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, NO_EDGE, SOFTCAP)
+                                  BLOCK_N, BLOCK_D, BLOCK_DV, NO_EDGE, SOFTCAP)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, desc_k, desc_v, b, h_kv, full_hi, hi, offs_m, offs_n,
                                   seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                  BLOCK_N, BLOCK_D, RIGHT_EDGE, SOFTCAP)
+                                  BLOCK_N, BLOCK_D, BLOCK_DV, RIGHT_EDGE, SOFTCAP)
 
     out, lse = finish(acc, l_i, m_i)
-    desc_o.store([b, h, pid_m * BLOCK_M, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
+    desc_o.store([b, h, pid_m * BLOCK_M, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, BLOCK_DV))
     if WRITE_LSE:
         lse_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + offs_m
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
