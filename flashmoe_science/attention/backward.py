@@ -211,7 +211,7 @@ def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, sca
         (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
          describe(dq, c.block_m), out, lse, delta, scale, scale * LOG2E, *out.stride()[:3],
          *lse_strides, heads_q, group, seqlen_q, seqlen_k, num_m_blocks, *window,
-         head_dim_v, c.block_m, c.block_n, block_d, block_dv, c.num_stages, delta_here),
+         head_dim, head_dim_v, c.block_m, c.block_n, block_d, block_dv, c.num_stages, delta_here),
         num_warps=c.num_warps, num_stages=1, device_index=device_index)
     c = config.dkdv
     num_n_blocks = cdiv(seqlen_k, c.block_n)
@@ -219,7 +219,8 @@ def launch_gluon_backward(grad_output, q, k, v, out, lse, delta, dq, dk, dv, sca
         key, (num_n_blocks * batch * heads_kv, 1, 1),
         (describe(q, c.block_m), describe(k, c.block_n), describe(v, c.block_n), describe(grad_output, c.block_m),
          describe(dk, c.block_n), describe(dv, c.block_n), lse, delta, scale, scale * LOG2E, *lse_strides, heads_kv,
-         group, seqlen_q, seqlen_k, num_n_blocks, *window, c.block_m, c.block_n, block_d, block_dv, c.num_stages),
+         group, seqlen_q, seqlen_k, num_n_blocks, *window, head_dim, c.block_m, c.block_n, block_d, block_dv,
+         c.num_stages),
         num_warps=c.num_warps, num_stages=1, device_index=device_index)
 
 

@@ -29,6 +29,12 @@ def _value_blocks(block_d: int):
         yield VALUE_HEAD_DIM_BLOCKS[block_d], -1
 
 
+def _padded_head_dim(block_d: int, block_dv: int) -> int:
+    """The q/k head dim the Gluon builds compile for: DeepSeek's 192 in the 256 tiles of its MLA pair,
+    whose scores sum 64-column slices (`forward_gluon._scores`); the tile's own width otherwise."""
+    return 192 if (block_d, block_dv) == (256, 128) else block_d
+
+
 def _dims_label(block_d: int, block_dv: int) -> str:
     return f"D={block_d}" if block_dv == block_d else f"D={block_d}/{block_dv}"
 
@@ -148,7 +154,8 @@ def _gluon_builds():
                 layout = gl.NVMMASharedLayout.get_default_for([1, 1, tile_rows, cols], dtype)
                 sig[arg] = f"tensordesc<{name}[1,1,{tile_rows},{cols}],{layout!r}>"
             sig.update(LSE="*fp32", scale_log2="fp32")
-            constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            head_dim = _padded_head_dim(block_d, block_dv)
+            constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
                               NUM_STAGES=cfg.num_stages, CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
                               SEPARATE_O=gluon_separate_output(cfg, block_d, block_dv), PERSISTENT=persistent)
             sig.update({n: "constexpr" for n in constexprs})
@@ -250,6 +257,7 @@ def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
     dtypes = (("fp16", gl.float16), ("bf16", gl.bfloat16))
     for block_dv, last in _value_blocks(block_d):
         dims = _dims_label(block_d, block_dv)
+        head_dim = _padded_head_dim(block_d, block_dv)
         for name, dtype in dtypes[last:] if last else dtypes:
             dkdv, dq = cfg.dkdv, cfg.dq
             kernel = attention_backward_dkdv_gluon_kernel
@@ -259,8 +267,8 @@ def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
                          desc_dk=(dkdv.block_n, block_d), desc_dv=(dkdv.block_n, block_dv))
             sig.update({arg: descriptor(dtype, *tile) for arg, tile in tiles.items()})
             sig.update(LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
-            constexprs = dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-                              NUM_STAGES=dkdv.num_stages)
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, BLOCK_D=block_d,
+                              BLOCK_DV=block_dv, NUM_STAGES=dkdv.num_stages)
             sig.update({n: "constexpr" for n in constexprs})
             yield KernelBuild(label=f"attention_backward_dkdv_gluon {name} {dims} {dkdv}", fn=kernel,
                               signature=sig, constexprs=constexprs, num_warps=dkdv.num_warps, num_stages=1,
@@ -271,8 +279,8 @@ def _gluon_backward_builds(block_d: int, cfg: BackwardConfig):
                          desc_k=(dq.block_n, block_d), desc_v=(dq.block_n, block_dv))
             sig.update({arg: descriptor(dtype, *tile) for arg, tile in tiles.items()})
             sig.update(O=f"*{name}", LSE="*fp32", DELTA="*fp32", softmax_scale="fp32", scale_log2="fp32")
-            constexprs = dict(HEAD_DIM_V=block_dv, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_D=block_d,
-                              BLOCK_DV=block_dv, NUM_STAGES=dq.num_stages, DELTA_HERE=True)
+            constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_V=block_dv, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,
+                              BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_STAGES=dq.num_stages, DELTA_HERE=True)
             sig.update({n: "constexpr" for n in constexprs})
             yield KernelBuild(label=f"attention_backward_dq_gluon {name} {dims} {dq}", fn=kernel, signature=sig,
                               constexprs=constexprs, num_warps=dq.num_warps, num_stages=1,

@@ -86,7 +86,8 @@ class ForwardPlan:
         self.kernel_options = (*lse_strides, heads_q, heads_q // k.shape[1], seqlen_q, seqlen_k,
                                *token_totals(q, k, packed), num_m_blocks,
                                *kernel_window(causal, window_size), head_dim, head_dim_block(head_dim),
-                               head_dim_v, head_dim_block(head_dim_v), cfg.block_m, cfg.block_n, causal, softcap > 0, packed, write_lse)
+                               head_dim_v, head_dim_block(head_dim_v), cfg.block_m, cfg.block_n, causal, softcap > 0,
+                               packed, write_lse)
         self.launch_tail = None
         self.causal = causal
         self.window = kernel_window(causal, window_size)
@@ -205,7 +206,7 @@ def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, persistent
         (describe(q, rows), describe(k, config.block_n), describe(v, config.block_n), describe(out, rows),
          out if lse is None else lse, scale * LOG2E, heads_q * seqlen_q, seqlen_q,
          heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks, batch * heads_q, section, *window,
-         rows, config.block_n, block_d, block_dv, config.num_stages, causal, lse is not None, consumers,
+         rows, config.block_n, head_dim, block_d, block_dv, config.num_stages, causal, lse is not None, consumers,
          gluon_separate_output(config, block_d, block_dv), persistent),
         num_warps=4, num_stages=1, device_index=device_index)
 

@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .backward import _lse_log2
 from .forward import band_blocks, band_diagonals, visible_band
+from .forward_gluon import _scores
 
 
 @gluon.jit
@@ -88,10 +89,11 @@ def attention_backward_dkdv_gluon_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA,
     softmax_scale, scale_log2, stride_lb, stride_lh,
     num_heads_kv, group_size, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):
-    """Q, K and dK tiles span BLOCK_D columns, V, dO and dV tiles BLOCK_DV (v's padded head dim,
+    """Q, K and dK tiles span BLOCK_D columns (HEAD_DIM of them real: the scores skip the zero
+    64-column slices, `forward_gluon._scores`), V, dO and dV tiles BLOCK_DV (v's padded head dim,
     which may differ: MLA)."""
     # Warpgroups split the keys (64 each), then the columns: with 64 keys and two warpgroups each
     # holds half of the dK and dV columns and half of the S^T, dP^T columns.
@@ -171,7 +173,7 @@ def attention_backward_dkdv_gluon_kernel(
         q = q_smem.index(stage).reshape([BLOCK_M, BLOCK_D])
         do = do_smem.index(stage).reshape([BLOCK_M, BLOCK_DV])
         mbarrier.wait(q_bars.index(stage), phase)
-        st_tok = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        st_tok = _scores(k, q, s_init, HEAD_DIM, BLOCK_D)
         mbarrier.wait(do_bars.index(stage), phase)
         dpt_tok = warpgroup_mma(v, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
         rows = start_m + offs_m
@@ -210,11 +212,12 @@ def attention_backward_dq_gluon_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dq, O, LSE, DELTA,
     softmax_scale, scale_log2, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, window_left, window_right,
-    HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr, DELTA_HERE: gl.constexpr,
 ):
-    """Q, K and dQ tiles span BLOCK_D columns, V and dO tiles BLOCK_DV; O (read for delta) has
-    v's head dim HEAD_DIM_V."""
+    """Q, K and dQ tiles span BLOCK_D columns (HEAD_DIM of them real), V and dO tiles BLOCK_DV; O
+    (read for delta) has v's head dim HEAD_DIM_V."""
     WARPS_M: gl.constexpr = BLOCK_M // 16  # as in the dK/dV kernel, with query rows resident
     WARPS_N: gl.constexpr = gl.num_warps() // WARPS_M
     gl.static_assert(WARPS_M % 4 == 0 and WARPS_M * WARPS_N == gl.num_warps(), "64 query rows per warpgroup")
@@ -287,7 +290,7 @@ def attention_backward_dq_gluon_kernel(
         k = k_smem.index(stage).reshape([BLOCK_N, BLOCK_D])
         v = v_smem.index(stage).reshape([BLOCK_N, BLOCK_DV])
         mbarrier.wait(k_bars.index(stage), phase)
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s_tok = _scores(q, k, s_init, HEAD_DIM, BLOCK_D)
         mbarrier.wait(v_bars.index(stage), phase)
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_init, use_acc=False, is_async=True)
         # At most dP in flight: S is done, and so is the previous block's dQ product, whose K

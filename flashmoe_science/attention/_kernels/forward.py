@@ -248,8 +248,8 @@ def attention_forward_kernel(
     for start_n in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BOTH_EDGES, SOFTCAP,
-                                      DOT_PRECISION)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BOTH_EDGES,
+                                      SOFTCAP, DOT_PRECISION)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
@@ -258,8 +258,8 @@ def attention_forward_kernel(
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
-                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, RIGHT_EDGE, SOFTCAP,
-                                      DOT_PRECISION)
+                                      stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, RIGHT_EDGE,
+                                      SOFTCAP, DOT_PRECISION)
 
     out, lse = finish(acc, l_i, m_i)
     o_ptrs = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_rows * stride_om + offs_dv[None, :]

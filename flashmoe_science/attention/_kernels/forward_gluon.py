@@ -120,6 +120,22 @@ def _tile_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, ROWS: gl.conste
 
 
 @gluon.jit
+def _scores(q, k, s_init, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Issues S = Q K^T (q: (BLOCK_M, BLOCK_D), k: (BLOCK_N, BLOCK_D) in shared memory) without
+    waiting. A head dim padded in the tiles (192 in 256 columns: MLA) is summed in 64-column
+    slices up to the last that holds any of it, so the zero columns cost no product."""
+    if HEAD_DIM == BLOCK_D:
+        return warpgroup_mma(q, k.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    CHUNK: gl.constexpr = 64
+    s_tok = warpgroup_mma(q.slice(0, CHUNK, 1), k.slice(0, CHUNK, 1).permute((1, 0)), s_init, use_acc=False,
+                          is_async=True)
+    for c in gl.static_range(1, (HEAD_DIM + CHUNK - 1) // CHUNK):
+        s_tok = warpgroup_mma(q.slice(c * CHUNK, CHUNK, 1), k.slice(c * CHUNK, CHUNK, 1).permute((1, 0)), s_tok,
+                              is_async=True)
+    return s_tok
+
+
+@gluon.jit
 def _load_tile(desc, smem, bars, stage, b, h_kv, start_n):
     """TMA copy of the K or V tile starting at key start_n into buffer `stage`."""
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes)
@@ -208,8 +224,8 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, 
 def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                   k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
                   seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+                  BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Consumer C's rows [C * BLOCK_M, (C + 1) * BLOCK_M) of one tile; `it` counts buffer uses
     across tiles (returned after this tile). It computes only the key blocks its own rows meet,
@@ -257,8 +273,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
     if last > first:
         use = it + first
         mbarrier.wait(k_ready.index(use % NUM_STAGES), (use // NUM_STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(use % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
-                              use_acc=False, is_async=True)
+        s_tok = _scores(q, k_smem.index(use % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]), s_init, HEAD_DIM, BLOCK_D)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(use % NUM_STAGES), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + first * BLOCK_N, full_lo, full_hi,
@@ -269,8 +284,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         stage = (it + j) % NUM_STAGES
         prev = (it + j - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
-                              use_acc=False, is_async=True)
+        s_tok = _scores(q, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]), s_init, HEAD_DIM, BLOCK_D)
         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
         o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, BLOCK_DV]), acc, is_async=True)
         # S_j is done when at most the P V product is in flight: its softmax overlaps that product.
@@ -318,8 +332,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
 def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
               batch_heads, section, window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
               PERSISTENT: gl.constexpr):
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
@@ -332,13 +346,13 @@ def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_r
                 it = _consume_tile(tile, it, rounds_done, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready,
                                    q_empty, k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh,
                                    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
-                                   diag_lo, diag_hi, C, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL,
-                                   WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
+                                   diag_lo, diag_hi, C, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES,
+                                   CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
     else:
         _consume_tile(gl.program_id(0), 0, 0, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                       k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size,
                       seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C, BLOCK_M, BLOCK_N,
-                      BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
+                      HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
     tma.store_wait(0)
 
 
@@ -347,9 +361,9 @@ def attention_forward_gluon_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,
     scale_log2, stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    SEPARATE_O: gl.constexpr, PERSISTENT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
     """num_warps = 4 (the first consumer), NUM_CONSUMERS - 1 more four-warp consumers and a one-warp
     producer; NUM_CONSUMERS * BLOCK_M query rows per tile of `_tile_coordinates`' order. PERSISTENT:
@@ -358,8 +372,8 @@ def attention_forward_gluon_kernel(
     file: the producer's drops to 24 registers a thread and the consumers split the rest (240 each
     for two, 160 each for three). With SEPARATE_O the output leaves through its own buffers, so the
     next tile's Q loads while this one's last products run; without it (where shared memory is
-    short) through Q's. Q and K tiles span BLOCK_D columns, V and O tiles BLOCK_DV (v's head dim,
-    which may differ: MLA; O then leaves through its own buffers)."""
+    short) through Q's. Q and K tiles span BLOCK_D columns (HEAD_DIM of them real), V and O tiles
+    BLOCK_DV (v's head dim, which may differ: MLA; O then leaves through its own buffers)."""
     gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
     gl.static_assert(SEPARATE_O | (BLOCK_DV == BLOCK_D), "O reuses Q's buffers only at Q's width")
     dtype: gl.constexpr = desc_q.dtype
@@ -391,11 +405,13 @@ def attention_forward_gluon_kernel(
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
-                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
+                         PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
-                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
+                         PERSISTENT)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                          window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
@@ -405,15 +421,18 @@ def attention_forward_gluon_kernel(
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
-                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
+                         PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
-                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
+                         PERSISTENT)),
             (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 2, BLOCK_M, BLOCK_N,
-                         BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, PERSISTENT)),
+                         HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
+                         PERSISTENT)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                          window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
