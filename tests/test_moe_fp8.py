@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flashmoe_science.launch import clear_records, last_launch
 from flashmoe_science.moe import fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_blockwise,
                                       quantize_fp8_per_channel)
@@ -96,9 +97,12 @@ def test_fp8_experts_match_the_quantised_reference(block, T, E, H, I, k, activat
     with torch.no_grad():
         out = fused_experts(xb, q1, q2, weights, ids, activation=activation, w1_scale=s1, w2_scale=s2,
                             block_shape=block)
+        clear_records()
         out_moe = fused_moe(xb, q1, q2, logits, k, activation=activation, w1_scale=s1, w2_scale=s2, block_shape=block)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert torch.equal(out, out_moe)
+    if T * k <= 64:  # decode sizes: the routing launch builds the layout too (one launch, no align launch)
+        assert last_launch("moe_route").constexprs["LAYOUT"] == "full" and last_launch("moe_align") is None
     ref = _reference(xb[rows], q1, s1, q2, s2, block, weights[rows], ids[rows], activation)
     # bf16 output rounding, plus the intermediate's rounding: fp32 and float64 h differ in the last
     # bits, so a few entries round to the neighbouring e4m3 value (a 1/16 step) in the kernel
@@ -164,6 +168,25 @@ def test_fp8_experts_refuse_bad_scales_and_gradients():
         fused_experts(xb, w1.to(torch.bfloat16), w2.to(torch.bfloat16), weights, ids, block_shape=(128, 128))
     with pytest.raises(RuntimeError, match="inference"):
         fused_experts(xb.requires_grad_(), q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
+    xb = xb.detach()
+
+    def layer(**kwargs):  # fused_moe's FP8 path has a plan of its own: its checks on its cached path
+        args = dict(w1_scale=s1, w2_scale=s2, block_shape=(128, 128)) | kwargs
+        top_k = args.pop("top_k", 2)
+        with torch.no_grad():
+            return fused_moe(xb, q1, q2, args.pop("logits", logits), top_k, **args)
+
+    layer()
+    with pytest.raises(ValueError, match="w2_scale has a non-finite"):
+        layer(w2_scale=torch.where(s2 > 0, float("nan"), s2))
+    with pytest.raises(TypeError, match="top_k"):
+        layer(top_k=2.0)
+    with pytest.raises(ValueError, match="router_logits has shape"):
+        layer(logits=logits[:, :3])
+    with pytest.raises(ValueError, match="scoring"):
+        layer(scoring="softplus")
+    with pytest.raises(RuntimeError, match="inference"):
+        fused_moe(xb, q1, q2, logits.requires_grad_(), 2, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
     (qa, sa), (qb, sb) = (quantize_fp8_per_channel(torch.randn(shape, device=DEVICE)) for shape in ((2, 256, 96),
                                                                                                       (2, 96, 128)))
     with pytest.raises(ValueError, match="multiples of 128"):  # H = 96

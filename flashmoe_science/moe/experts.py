@@ -344,15 +344,53 @@ def _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_sca
         fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
         plan = fp8.new_plan(key, hidden_states, w1, topk_ids.shape[1], block_shape)
+    return _run_fp8(plan, hidden_states, w1, w2, w1_scale, w2_scale, activation,
+                    lambda: _fp8_routing_from_ids(plan, topk_weights, topk_ids))
+
+
+def _fp8_routing_from_ids(plan, topk_weights, topk_ids):
+    """(weights fp32, ids int32, layout) of a caller's routing, as the FP8 kernels read them."""
+    ids = routing.ids_int32(topk_ids, plan.num_experts)
+    return topk_weights.to(torch.float32).contiguous(), ids, routing.align_pairs(ids, plan.dispatch, plan.launch_key)
+
+
+def _run_fp8(plan, hidden_states, w1, w2, w1_scale, w2_scale, activation, route):
+    """The FP8 experts of a planned call; `route()` gives (weights, ids, layout)."""
     fp8.check_scales_finite(w1_scale, w2_scale)
     if plan.num_tokens == 0:
         return hidden_states.new_empty((0, plan.hidden))
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     w1, w2, w1_scale, w2_scale = (t if t.stride(-1) == 1 else t.contiguous() for t in (w1, w2, w1_scale, w2_scale))
-    weights = topk_weights.to(torch.float32).contiguous()
-    ids = routing.ids_int32(topk_ids, plan.num_experts)
-    layout = routing.align_pairs(ids, plan.dispatch, plan.launch_key)
+    weights, ids, layout = route()
     return fp8.run_fp8_experts(plan, x, w1, w2, w1_scale, w2_scale, weights, ids, layout, activation)
+
+
+def _fp8_moe(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring, w1_scale, w2_scale,
+             block_shape):
+    """`fused_moe` with FP8 weights, without gradients, eager: one plan for the whole layer and the
+    routing launch building the layout itself (decode: one launch), as the 16-bit lean path."""
+    try:
+        key = ("moe_fp8", tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(router_logits),
+               tensor_key(w1_scale), tensor_key(w2_scale), top_k, renormalize, activation, scoring,
+               None if block_shape is None else tuple(block_shape))
+        plan = fp8.PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks name it
+        fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
+        _check_router_args(hidden_states, router_logits, top_k, w1.shape[0], renormalize, scoring)
+        raise
+    if plan is None:
+        fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
+        _check_router_args(hidden_states, router_logits, top_k, w1.shape[0], renormalize, scoring)
+        plan = fp8.new_plan(key, hidden_states, w1, top_k, block_shape)
+    else:  # as `fused_moe`'s cached path: the key compares top_k=2.0 equal to 2
+        routing.check_top_k(top_k, plan.num_experts)
+        routing.check_routing_options(renormalize, scoring)
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    return _run_fp8(plan, hidden_states, w1, w2, w1_scale, w2_scale, activation,
+                    lambda: routing.route_pairs(router_logits, plan.dispatch, plan.launch_key,
+                                                sigmoid=scoring == "sigmoid", renormalize=renormalize,
+                                                with_layout=True))
 
 
 def _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation):
@@ -460,6 +498,9 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
     op, and router_logits receive the gradient of the routing weights (see `moe_route`).
     """
     if w1_scale is not None or w2_scale is not None or getattr(w1, "dtype", None) == fp8.FP8_DTYPE:
+        if not routing.records_autograd(hidden_states, router_logits):
+            return _fp8_moe(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring, w1_scale,
+                            w2_scale, block_shape)
         weights, ids = routing.moe_route(router_logits, top_k, renormalize=renormalize, scoring=scoring)
         return fused_experts(hidden_states, w1, w2, weights, ids, activation=activation, w1_scale=w1_scale,
                              w2_scale=w2_scale, block_shape=block_shape)
@@ -500,11 +541,17 @@ def _moe_forward(plan: _ExpertsPlan, hidden_states, w1, w2, router_logits, renor
 
 def _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring) -> None:
     _check_experts_args(hidden_states, w1, w2, activation)
+    _check_router_args(hidden_states, router_logits, top_k, w1.shape[0], renormalize, scoring)
+
+
+def _check_router_args(hidden_states, router_logits, top_k, num_experts, renormalize, scoring) -> None:
+    """router_logits (T, E) on hidden_states' device and the routing options (the expert weights
+    checked apart: 16-bit or FP8)."""
     routing.check_router_logits(router_logits)
     if router_logits.device != hidden_states.device:
         raise ValueError(f"router_logits is on {router_logits.device}; it must be on hidden_states' device "
                          f"({hidden_states.device})")
-    T, E = hidden_states.shape[0], w1.shape[0]
+    T, E = hidden_states.shape[0], num_experts
     if tuple(router_logits.shape) != (T, E):
         raise ValueError(f"router_logits has shape {tuple(router_logits.shape)}; expected (T, E) = {(T, E)} "
                          "from hidden_states and w1")
