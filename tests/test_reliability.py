@@ -373,9 +373,15 @@ def test_plans_keep_no_tensors(device):
     x = torch.randn(5, 32, device=device)
     w1, w2 = torch.randn(4, 32, 32, device=device), torch.randn(4, 32, 16, device=device)
     fused_moe(x, w1, w2, torch.randn(5, 4, device=device), 2)
+    def is_plan_cache(o):
+        try:
+            return isinstance(o, PlanCache) and bool(o)
+        except ReferenceError:  # a dead weakref.proxy (some library's) among the live objects
+            return False
+
     with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
         warnings.simplefilter("ignore")
-        caches = [o for o in gc.get_objects() if isinstance(o, PlanCache) and o]
+        caches = [o for o in gc.get_objects() if is_plan_cache(o)]
     assert len(caches) >= 4
     for plans in caches:
         assert not _tensors_in(plans), [type(p).__name__ for p in plans.values() if _tensors_in(p)]

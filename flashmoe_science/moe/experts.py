@@ -186,17 +186,26 @@ def launch_combine(key, y, topk_ids, out, num_experts: int, device_index) -> Non
         num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index)
 
 
-def _run_experts(plan: _ExpertsPlan, x, w1, w2, topk_weights, topk_ids, layout, activation, h_grads=None):
-    """Launches gate/up (also storing the activation's derivatives in `h_grads` when given),
-    down and combine; returns (out (T, H), h (layout rows, I)), both in x's dtype."""
-    cfg, key = plan.config, plan.launch_key
-    h = routing.allocate((layout.num_blocks * cfg.block_m, plan.inter), x.dtype, x.device)
-    y = routing.allocate((plan.dispatch.num_pairs, plan.hidden), x.dtype, x.device)
-    out = routing.allocate((plan.num_tokens, plan.hidden), x.dtype, x.device)
-    launch_gate_up(key, cfg, layout, x, w1, h, plan.top_k, activation, plan.device_index, h_grads)
-    launch_down(key, cfg, layout, h, w2, y, topk_weights, plan.device_index)
-    launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index)
-    return out, h
+def _run_gate_up(plan: _ExpertsPlan, x, w1, layout, activation, h_grads=None):
+    """Launches gate/up (also storing the activation's derivatives in `h_grads` when given); returns
+    h (layout rows, I) in x's dtype."""
+    h = routing.allocate((layout.num_blocks * plan.config.block_m, plan.inter), x.dtype, x.device)
+    launch_gate_up(plan.launch_key, plan.config, layout, x, w1, h, plan.top_k, activation, plan.device_index, h_grads)
+    return h
+
+
+def _run_down(plan: _ExpertsPlan, h, w2, topk_weights, topk_ids, layout):
+    """Launches down and combine over the layout's h; returns out (T, H) in h's dtype."""
+    y = routing.allocate((plan.dispatch.num_pairs, plan.hidden), h.dtype, h.device)
+    out = routing.allocate((plan.num_tokens, plan.hidden), h.dtype, h.device)
+    launch_down(plan.launch_key, plan.config, layout, h, w2, y, topk_weights, plan.device_index)
+    launch_combine(plan.launch_key, y, topk_ids, out, plan.num_experts, plan.device_index)
+    return out
+
+
+def _run_experts(plan: _ExpertsPlan, x, w1, w2, topk_weights, topk_ids, layout, activation):
+    """The lean forward's expert launches: gate/up, down and combine; out (T, H) in x's dtype."""
+    return _run_down(plan, _run_gate_up(plan, x, w1, layout, activation), w2, topk_weights, topk_ids, layout)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -309,7 +318,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         topk_ids = routing.ids_int32(topk_ids, plan.num_experts)
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
-    return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)[0]
+    return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)
 
 
 def _inference_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape,
@@ -442,10 +451,8 @@ def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activati
         return (x.new_empty((0, plan.inter)), x.new_empty((0, 2 * plan.inter)),
                 *(topk_ids.new_empty((0,)) for _ in range(3)))
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
-    rows = layout.num_blocks * layout.block_m
-    h = routing.allocate((rows, plan.inter), x.dtype, x.device)
-    h_grads = routing.allocate((rows, 2 * plan.inter), x.dtype, x.device)
-    launch_gate_up(plan.launch_key, plan.config, layout, x, w1, h, plan.top_k, activation, plan.device_index, h_grads)
+    h_grads = routing.allocate((layout.num_blocks * layout.block_m, 2 * plan.inter), x.dtype, x.device)
+    h = _run_gate_up(plan, x, w1, layout, activation, h_grads)
     return h, h_grads, layout.sorted_pairs, layout.block_expert, layout.block_rows
 
 
@@ -457,11 +464,7 @@ def down_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, h, sorted_p
     if plan.num_tokens == 0:
         return h.new_empty((0, plan.hidden))
     layout = routing.PairLayout(sorted_pairs, block_expert, block_rows, plan.config.block_m, block_expert.numel())
-    y = routing.allocate((plan.dispatch.num_pairs, plan.hidden), h.dtype, h.device)
-    out = routing.allocate((plan.num_tokens, plan.hidden), h.dtype, h.device)
-    launch_down(plan.launch_key, plan.config, layout, h, w2, y, topk_weights, plan.device_index)
-    launch_combine(plan.launch_key, y, topk_ids, out, plan.num_experts, plan.device_index)
-    return out
+    return _run_down(plan, h, w2, topk_weights, topk_ids, layout)
 
 
 def _experts_with_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation):
@@ -536,7 +539,7 @@ def _moe_forward(plan: _ExpertsPlan, hidden_states, w1, w2, router_logits, renor
         router_logits = router_logits.contiguous()
     weights, ids, layout = routing.route_pairs(router_logits, plan.dispatch, plan.launch_key,
                                                sigmoid=scoring == "sigmoid", renormalize=renormalize, with_layout=True)
-    return _run_experts(plan, x, w1, w2, weights, ids, layout, activation)[0]
+    return _run_experts(plan, x, w1, w2, weights, ids, layout, activation)
 
 
 def _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring) -> None:
