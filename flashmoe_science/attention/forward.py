@@ -11,13 +11,17 @@ their own plans of the same class and launch through `launch_forward` too. Which
     `forward_gluon.attention_forward_gluon_kernel` (`launch_gluon`);
   - otherwise the Triton TMA kernel, `forward_hopper.attention_forward_hopper_kernel`
     (`launch_tma`, `HOPPER_FORWARD`).
-- Dense calls whose Sq x group query rows fit one decode tile, against many keys
-  (`configs.takes_decode`; decode with a KV cache, on any GPU): the KV-cache kernels,
+- Dense calls whose Sq x group query rows fit one decode tile, against many keys, with one head
+  dim for q, k and v (`configs.takes_decode`; decode with a KV cache, on any GPU): the KV-cache kernels,
   `decode.attention_decode_split_kernel` then, with more than one split, `..._combine_kernel`
   (`decode.launch_decode`): split-KV, with the query heads of a KV head packed into one tile.
 - Every other call (fp32, packed, small, not unit-strided in D, any other GPU, the CPU
   interpreter): `forward.attention_forward_kernel` (`FORWARD`, by device family, dtype and
   padded head dim; `forward_config` picks the short or long tile).
+
+A v head dim of its own (MLA) takes the tables' entry of the larger padded head dim
+(`configs.VALUE_HEAD_DIM_BLOCKS`); a Gluon entry then needs room for separate output buffers
+(`configs.gluon_separate_output`).
 
 A negative softmax_scale runs as a positive one on -q (`positive_scale`), the one place the
 scale changes before it reaches a kernel (as scale * log2(e), the kernels working in base 2).

@@ -102,7 +102,7 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
             multiple of Hkv (grouped-query / multi-query attention); K and V are never repeated
             in memory. D_v may differ from D, as in DeepSeek's multi-head latent attention (MLA:
             D = 192, D_v = 128 in prefill and training); the output then has D_v. Such calls run
-            the Triton kernels (the Gluon ones on Hopper take D_v = D only).
+            the same kernels (not the KV-cache ones: short queries run the general forward).
         causal: mask scores above the diagonal. The diagonal is aligned bottom-right: query i sees
             keys j <= i + (Sk - Sq), as in flash-attn >= 2.1 and as decoding with a KV cache needs.
             This differs from `scaled_dot_product_attention(is_causal=True)` when Sq != Sk (SDPA
