@@ -263,6 +263,11 @@ class FP8Config:
 # BLOCK_M x 128 FP8 A tile and a 256 x 128 B tile (gate and up interleaved): 40 KB at BLOCK_M 64.
 # Each K step's product is scaled before it is added, so the gate/up kernel holds two BLOCK_M x
 # 256 fp32 tiles: eight warps from BLOCK_M 32, and BLOCK_M at most 64, keep ptxas from spilling.
+# Moving the prefill entry's weight tiles (and down's h tiles) through TMA descriptors, as the 16-bit
+# prefill entries do, measured within run-to-run noise on an H100 (1-2% either way at 4k-16k
+# tokens; benchmarks/results/moe_fp8_tma_trial.json against moe_fp8.json), so the pointer loads
+# stay: what bounds these kernels is the scaling of every K step's product before it is added
+# (a wait on each product and two BLOCK_M x 256 fp32 tiles of FMAs), not the loads.
 _FP8_LARGE = ((8, FP8Config(16, 1, 4, 4, 3)), (32, FP8Config(32, 1, 8, 4, 3)), (None, FP8Config(64, 8, 8, 4, 4)))
 _FP8_SMALL = _FP8_LARGE[:2] + ((None, FP8Config(64, 8, 8, 4, 3)),)
 # sm90: the prefill entry reads its weight tiles (and down's h tiles) through TMA, as the 16-bit
