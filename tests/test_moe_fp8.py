@@ -136,32 +136,6 @@ def test_fp8_experts_write_every_row_and_skip_dropped_slots():
 
 
 @needs_fp8
-@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
-def test_fp8_tma_tiles_give_the_pointer_kernels_bits(block, monkeypatch):
-    """FP8Config.tma moves the weight tiles (and down's h tiles) through descriptors: the same
-    tiles in the same products, so the same bits (the interpreter emulates descriptor loads)."""
-    from flashmoe_science.moe import configs, fp8
-
-    x, w1, w2, logits = _layer(37, 4, 256, 256, 2)
-    quantize = quantize_fp8_blockwise if block else quantize_fp8_per_channel
-    (q1, s1), (q2, s2) = quantize(w1), quantize(w2)
-    tma_capable = not GPU or torch.cuda.get_device_capability() >= (9, 0)
-    outs = []
-    for tma in (False, True):
-        cfg = configs.FP8Config(16, 2, 4, 4, 2, tma=tma)  # small tiles: several row blocks at this size
-        monkeypatch.setattr(configs, "fp8_config", lambda *args, cfg=cfg: cfg)
-        fp8.PLANS.clear()
-        clear_records()
-        with torch.no_grad():
-            outs.append(fused_moe(x.to(torch.bfloat16), q1, q2, logits, 2, w1_scale=s1, w2_scale=s2,
-                                  block_shape=block))
-        for kernel in ("moe_fp8_gate_up", "moe_fp8_down"):
-            assert last_launch(kernel).constexprs["TMA"] is (tma and tma_capable)
-    fp8.PLANS.clear()
-    assert torch.equal(outs[0], outs[1])
-
-
-@needs_fp8
 def test_fp8_experts_refuse_bad_scales_and_gradients():
     x, w1, w2, logits = _layer(4, 4, 128, 128, 2)
     weights, ids = moe_route(logits, 2)

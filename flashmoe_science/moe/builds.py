@@ -110,27 +110,22 @@ def shipped_builds(capability: int):
                         descriptors=tma and descriptors[label])
     from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, quantize_groups_kernel
 
-    fp8_descriptors = {"moe_fp8_gate_up": dict(w1_ptr=(1, "GROUP", 2, "GROUP")),
-                       "moe_fp8_down": dict(hq_ptr=("BLOCK_M", "GROUP"), w2_ptr=(1, "BLOCK_N", "GROUP"))}
     for cfg in fp8_configs(capability):  # FP8 weights (fp8.py): sm89 and newer
         scales = dict(w1s_ptr="*fp32", hs_ptr="*fp32")
-        loads = (False, True) if cfg.tma and capability == 90 else (False,)
-        for activation, block_scales, tma in product(ACTIVATIONS, (True, False), loads):
-            yield build(f"moe_fp8_gate_up fp8e4nv {activation} block_scales={block_scales} {cfg}", gate_up_fp8_kernel,
+        for activation, block_scales in product(ACTIVATIONS, (True, False)):
+            yield build(f"moe_fp8_gate_up {activation} block_scales={block_scales} {cfg}", gate_up_fp8_kernel,
                         dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", w1_ptr="*fp8e4nv", hq_ptr="*fp8e4nv", **scales,
                              **layout),
                         dict(ACTIVATION=activation, BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m,
-                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP, TMA=tma),
-                        cfg.gate_up_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"),
-                        descriptors=tma and fp8_descriptors["moe_fp8_gate_up"])
-        for dtype, block_scales, tma in product(("fp16", "bf16"), (True, False), loads):
-            yield build(f"moe_fp8_down fp8e4nv {dtype} block_scales={block_scales} {cfg}", down_fp8_kernel,
+                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP),
+                        cfg.gate_up_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
+        for dtype, block_scales in product(("fp16", "bf16"), (True, False)):
+            yield build(f"moe_fp8_down {dtype} block_scales={block_scales} {cfg}", down_fp8_kernel,
                         dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w2_ptr="*fp8e4nv", w2s_ptr="*fp32", y_ptr=f"*{dtype}",
                              weights_ptr="*fp32", **layout),
                         dict(BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
-                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP, TMA=tma),
-                        cfg.down_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"),
-                        descriptors=tma and fp8_descriptors["moe_fp8_down"])
+                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP),
+                        cfg.down_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
     if capability >= 89:
         for dtype in ("fp16", "bf16"):
             yield build(f"moe_fp8_quantize {dtype}", quantize_groups_kernel,

@@ -252,11 +252,10 @@ class FP8Config:
     down_warps: int
     num_stages: int
     down_block_n: int = 128
-    tma: bool = False  # the dense FP8 tiles through tensor descriptors on sm90 (as `ExpertsConfig.tma`)
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} GROUP_M={self.group_m} warps={self.gate_up_warps}/{self.down_warps} "
-                f"stages={self.num_stages}" + (" tma" if self.tma else ""))
+                f"stages={self.num_stages}")
 
 
 # FP8[family]: ((most pairs per expert, config), ...) as EXPERTS. A gate/up stage holds a
@@ -270,11 +269,8 @@ class FP8Config:
 # (a wait on each product and two BLOCK_M x 256 fp32 tiles of FMAs), not the loads.
 _FP8_LARGE = ((8, FP8Config(16, 1, 4, 4, 3)), (32, FP8Config(32, 1, 8, 4, 3)), (None, FP8Config(64, 8, 8, 4, 4)))
 _FP8_SMALL = _FP8_LARGE[:2] + ((None, FP8Config(64, 8, 8, 4, 3)),)
-# sm90: the prefill entry reads its weight tiles (and down's h tiles) through TMA, as the 16-bit
-# prefill entries do; the decode-sized entries keep pointer loads, as the 16-bit ones do.
-_FP8_HOPPER = _FP8_LARGE[:2] + ((None, replace(_FP8_LARGE[2][1], tma=True)),)
 # sm80 runs no FP8 on the GPU (the launcher refuses it); its entry serves Triton's interpreter.
-FP8 = {90: _FP8_HOPPER, 89: _FP8_SMALL, 80: _FP8_LARGE}
+FP8 = {90: _FP8_LARGE, 89: _FP8_SMALL, 80: _FP8_LARGE}
 FP8_GROUP = 128  # FP8 scale groups: activations per row and 128 columns, weights per 128 x 128 block
 FP8_QUANTIZE_ROWS = 16  # token rows a program quantises (one group each)
 

@@ -16,7 +16,6 @@ import torch
 
 from ..device import info_for
 from ..launch import KernelLauncher, PlanCache
-from ..tma import addressable as tma_addressable
 from . import configs, routing
 from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, quantize_groups_kernel
 
@@ -170,7 +169,7 @@ def new_plan(key, hidden_states, w1, top_k: int, block_shape) -> _FP8Plan:
 def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights, topk_ids, layout, activation):
     """Quantise the tokens, then the FP8 gate/up and down GEMMs and the combine: out (T, H) in
     x's dtype."""
-    from . import experts
+    from .experts import launch_combine
 
     cfg, key, device = plan.config, plan.launch_key, x.device
     T, H, I = plan.num_tokens, plan.hidden, plan.inter
@@ -183,24 +182,19 @@ def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights,
     rows = layout.num_blocks * layout.block_m
     hq = routing.allocate((rows, I), FP8_DTYPE, device)
     hs = routing.allocate((rows, I // GROUP), torch.float32, device)
-    tma = cfg.tma and experts.tma_capable(x) and tma_addressable(w1)
     _GATE_UP.launch(
-        experts.launch_key_with_tma(key, tma), (layout.num_blocks * (I // GROUP), 1, 1),
-        (xq, xs, experts.gate_up_weight_descriptor(w1, GROUP, GROUP) if tma else w1, w1_scale, hq, hs,
-         layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks,
+        key, (layout.num_blocks * (I // GROUP), 1, 1),
+        (xq, xs, w1, w1_scale, hq, hs, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks,
          H, I, plan.top_k, w1.stride(0), w1.stride(1), w1_scale.stride(0), w1_scale.stride(1),
-         activation, plan.block_scales, cfg.block_m, cfg.group_m, GROUP, tma),
+         activation, plan.block_scales, cfg.block_m, cfg.group_m, GROUP),
         num_warps=cfg.gate_up_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     y = routing.allocate((T * plan.top_k, H), x.dtype, device)
-    tma = cfg.tma and experts.tma_capable(x) and tma_addressable(hq, w2)
     _DOWN.launch(
-        experts.launch_key_with_tma(key, tma), (layout.num_blocks * (H // cfg.down_block_n), 1, 1),
-        (experts.tma_descriptor(hq, (cfg.block_m, GROUP)) if tma else hq, hs,
-         experts.tma_descriptor(w2, (1, cfg.down_block_n, GROUP)) if tma else w2, w2_scale, y, topk_weights,
-         layout.sorted_pairs, layout.block_expert, layout.block_rows,
+        key, (layout.num_blocks * (H // cfg.down_block_n), 1, 1),
+        (hq, hs, w2, w2_scale, y, topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows,
          layout.num_blocks, H, I, w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-         plan.block_scales, cfg.block_m, cfg.down_block_n, cfg.group_m, GROUP, tma),
+         plan.block_scales, cfg.block_m, cfg.down_block_n, cfg.group_m, GROUP),
         num_warps=cfg.down_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     out = routing.allocate((T, H), x.dtype, device)
-    experts.launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index)
+    launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index)
     return out

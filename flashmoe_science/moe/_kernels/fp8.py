@@ -14,16 +14,11 @@ down_fp8_kernel: y[p] = w[p] * (h[row] @ w2[e].T), in the output dtype, each row
 slot for the combine (combine.py), as down_kernel.
 
 H and I are multiples of GROUP (the launcher checks), so no K or N mask is needed.
-
-With TMA (sm90) the dense FP8 operands come through tensor descriptors, as in grouped_gemm.py:
-w1's interleaved gate/up B tile through its (E, I, 2, H) view, w2's tile, and down's h tile; the
-gathered token rows and every scale stay pointer loads. The same tiles meet the same products in
-the same order: the same bits as the pointer kernels.
 """
 import triton
 import triton.language as tl
 
-from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile, _tile_coordinates
+from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile
 from .offsets import wide_offset
 
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
@@ -98,12 +93,11 @@ def gate_up_fp8_kernel(
     num_blocks_m, H, I, top_k,
     stride_we, stride_wn, stride_se, stride_sn,
     ACTIVATION: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr,
 ):
     """xq: (T, H) FP8, xs: (T, H / GROUP) fp32; w1: (E, 2I, H) FP8, strides (stride_we,
-    stride_wn, 1) (TMA: a descriptor of its (E, I, 2, H) view, blocks (1, GROUP, 2, GROUP));
-    w1s: (E, 2I / GROUP, H / GROUP) (block) or (E, 2I) (channel), strides (stride_se,
-    stride_sn, 1); hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP)."""
+    stride_wn, 1); w1s: (E, 2I / GROUP, H / GROUP) (block) or (E, 2I) (channel), strides
+    (stride_se, stride_sn, 1); hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP)."""
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
                                                BLOCK_M, GROUP, GROUP_M)
     if expert < 0:
@@ -115,20 +109,15 @@ def gate_up_fp8_kernel(
     # Gate and up rows of the same columns interleaved in one B tile, as gate_up_kernel.
     offs_c = tl.arange(0, 2 * GROUP)
     w_rows = (offs_c % 2) * I + pid_n * GROUP + offs_c // 2
-    if not TMA:
-        w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, w_rows, stride_wn, offs_k)
+    w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, w_rows, stride_wn, offs_k)
     acc = tl.zeros((BLOCK_M, 2 * GROUP), dtype=tl.float32)
     for kb in range(0, H // GROUP):
         a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         a_scale = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
-        if TMA:
-            b = tl.trans(w1_ptr.load([expert, pid_n * GROUP, 0, kb * GROUP]).reshape(2 * GROUP, GROUP))
-        else:
-            b = tl.load(w_ptrs)
-            w_ptrs += GROUP
-        acc = _add_scaled(acc, tl.dot(a, b), a_scale, w1s_ptr, expert, stride_se, stride_sn, w_rows, kb,
+        acc = _add_scaled(acc, tl.dot(a, tl.load(w_ptrs)), a_scale, w1s_ptr, expert, stride_se, stride_sn, w_rows, kb,
                           BLOCK_SCALES, GROUP)
         x_ptrs += GROUP
+        w_ptrs += GROUP
     acc = _channel_scaled(acc, w1s_ptr, expert, stride_se, stride_sn, w_rows, BLOCK_SCALES, GROUP)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, GROUP, 2)))
     h, h_scale = _quantize_rows(_gated_activation(gate, up, ACTIVATION), hq_ptr.dtype.element_ty)
@@ -143,38 +132,27 @@ def down_fp8_kernel(
     num_blocks_m, H, I,
     stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_SCALES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr,
 ):
     """hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP) fp32; w2: (E, H, I) FP8,
     strides (stride_we, stride_wn, 1); w2s: (E, H / GROUP, I / GROUP) (block) or (E, H)
     (channel); weights: (T * top_k,) fp32; y: (T * top_k, H) contiguous, the output dtype.
-    BLOCK_N is a multiple of GROUP. TMA: hq and w2 are descriptors, blocks (BLOCK_M, GROUP) and
-    (1, BLOCK_N, GROUP)."""
+    BLOCK_N is a multiple of GROUP."""
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
                                                BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUP)
+    h_ptrs = hq_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
     hs_ptrs = hs_ptr + wide_offset(rows, I // GROUP)
-    if TMA:
-        # The block's first layout row, from _tile's pid_m (the same arithmetic, which the compiler shares).
-        first_row = _tile_coordinates(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)[0] * BLOCK_M
-    else:
-        h_ptrs = hq_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
-        w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
+    w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, I // GROUP):
-        if TMA:
-            a = hq_ptr.load([first_row, kb * GROUP])
-            b = tl.trans(w2_ptr.load([expert, pid_n * BLOCK_N, kb * GROUP]).reshape(BLOCK_N, GROUP))
-        else:
-            a = tl.load(h_ptrs)
-            b = tl.load(w_ptrs)
-            h_ptrs += GROUP
-            w_ptrs += GROUP
-        acc = _add_scaled(acc, tl.dot(a, b), tl.load(hs_ptrs + kb), w2s_ptr, expert, stride_se, stride_sn, offs_n, kb,
-                          BLOCK_SCALES, GROUP)
+        acc = _add_scaled(acc, tl.dot(tl.load(h_ptrs), tl.load(w_ptrs)), tl.load(hs_ptrs + kb), w2s_ptr, expert,
+                          stride_se, stride_sn, offs_n, kb, BLOCK_SCALES, GROUP)
+        h_ptrs += GROUP
+        w_ptrs += GROUP
     acc = _channel_scaled(acc, w2s_ptr, expert, stride_se, stride_sn, offs_n, BLOCK_SCALES, GROUP)
     route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
     y = acc * route_weight[:, None]
