@@ -2,7 +2,8 @@
 reference, with our error within twice PyTorch's own in the same dtype (plus the dtype's
 resolution of the result, the least any computation in it can miss by).
 
-Attention: batch, heads and GQA ratio, lengths from 0, head dims off the powers of two, layouts
+Attention: batch, heads and GQA ratio, lengths from 0, head dims off the powers of two (and v's
+own head dim, as MLA's), layouts
 (contiguous, the (B, S, H, D) views models pass, storage offsets, expanded stride-0 heads, a
 non-unit stride in D), causal, windows, softcap, scales of either sign; forward and gradients.
 Packed variable-length batches with empty sequences. MoE: token counts from 0, expert counts,
@@ -61,10 +62,9 @@ def gradient_terms(q, k, v, scale, grad_size=None):
     `assert_within_pytorch`: dq = scale dS K and dk = scale dS^T Q with dS = P (dO.v - dO.o),
     terms of |scale| |dO| |v| |k| (|q|) (softcap's derivative is at most 1); and P = exp(s - lse),
     recomputed from the saved lse, is off by eps |s| (in every FlashAttention backward), which
-    dv = P^T dO and dS carry. Row norms of a unit-normal output gradient: sqrt(D)."""
-    D = q.shape[-1]
-    size = [_rms(t) * math.sqrt(D) for t in (q, k, v)]
-    grad_size = math.sqrt(D) if grad_size is None else grad_size
+    dv = P^T dO and dS carry. Row norms of a unit-normal output gradient: sqrt(D_v)."""
+    size = [_rms(t) * math.sqrt(t.shape[-1]) for t in (q, k, v)]
+    grad_size = math.sqrt(v.shape[-1]) if grad_size is None else grad_size
     score = 1 + abs(scale) * size[0] * size[1]
     return (abs(scale) * grad_size * size[2] * size[1] * score, abs(scale) * grad_size * size[2] * size[0] * score,
             grad_size * score)
@@ -98,6 +98,7 @@ def attention_cases(draw):
     return dict(
         B=draw(st.integers(0, 2)), heads_kv=heads_kv, heads_q=heads_kv * draw(st.sampled_from([1, 2, 3])),
         Sq=draw(st.integers(0, 33)), Sk=draw(st.integers(0, 33)), D=draw(st.sampled_from([16, 24, 32, 40, 64])),
+        Dv=draw(st.sampled_from([None, None, None, 16, 24, 48])),  # None: v's head dim is D
         dtype=draw(st.sampled_from(DTYPES)), causal=draw(st.booleans()),
         window=(draw(st.sampled_from([-1, 0, 3, 17])), draw(st.sampled_from([-1, 0, 5]))),
         softcap=draw(st.sampled_from([0.0, 0.0, 0.5, 20.0, 1e5])),
@@ -111,7 +112,7 @@ def attention_cases(draw):
 def test_attention_matches_reference_on_any_input(case):
     c = case
     shapes = [(c["B"], c["heads_q"], c["Sq"], c["D"]), (c["B"], c["heads_kv"], c["Sk"], c["D"]),
-              (c["B"], c["heads_kv"], c["Sk"], c["D"])]
+              (c["B"], c["heads_kv"], c["Sk"], c["Dv"] or c["D"])]
     made = [_make(shape, layout, c["dtype"], c["magnitude"]) for shape, layout in zip(shapes, c["layouts"])]
     leaves = [leaf.requires_grad_() for leaf, _ in made]
     options = dict(causal=c["causal"], softmax_scale=c["scale"], window_size=c["window"], softcap=c["softcap"])
@@ -160,6 +161,7 @@ def varlen_cases(draw):
         lengths_q=[draw(st.integers(0, 20)) for _ in range(batch)],
         lengths_k=[draw(st.integers(0, 20)) for _ in range(batch)],
         heads_kv=heads_kv, heads_q=heads_kv * draw(st.sampled_from([1, 2])), D=draw(st.sampled_from([16, 32, 48])),
+        Dv=draw(st.sampled_from([None, None, 16, 40])),  # None: v's head dim is D
         dtype=draw(st.sampled_from(DTYPES)), causal=draw(st.booleans()),
         window=(draw(st.sampled_from([-1, 0, 4])), draw(st.sampled_from([-1, 2]))),
         softcap=draw(st.sampled_from([0.0, 0.0, 3.0])), slack=draw(st.integers(0, 5)),
@@ -173,7 +175,8 @@ def test_varlen_matches_reference_on_any_packing(case):
           for lengths in (c["lengths_q"], c["lengths_k"])]
     q = torch.randn(sum(c["lengths_q"]), c["heads_q"], c["D"], dtype=c["dtype"], device=DEVICE, requires_grad=True)
     k = torch.randn(sum(c["lengths_k"]), c["heads_kv"], c["D"], dtype=c["dtype"], device=DEVICE, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
+    v = torch.randn(sum(c["lengths_k"]), c["heads_kv"], c["Dv"] or c["D"], dtype=c["dtype"], device=DEVICE,
+                    requires_grad=True)
     options = dict(causal=c["causal"], window_size=c["window"], softcap=c["softcap"])
     # max_seqlen may exceed the longest sequence (it only sizes the launch).
     out, lse = flash_attention_varlen(q, k, v, *cu, max(c["lengths_q"]) + c["slack"], max(c["lengths_k"]),
