@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_run.sh [STAGE ...]
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep decode-sweep
 #           attention-small attention-fwd attention-bwd
-#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode attention-mla moe moe-fwd+bwd moe-train
+#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode attention-mla attention-fp8 moe moe-fwd+bwd moe-train
 #           model model-static moe-sweep
 #           moe-bwd-sweep before-after tc tc-sweep ep moe-fp8
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
@@ -70,6 +70,7 @@ for stage in "${stages[@]}"; do
     attention-varlen-window) bench attention --mode fwd+bwd --sections varlen,window --no-plot ;;
     attention-calls) bench attention --mode fwd+bwd --sections calls --no-plot ;;
     attention-decode) bench attention --mode decode --no-plot ;;
+    attention-fp8) bench attention --mode fp8 --no-plot ${FP8_ARGS:-} ;;  # FP8 forward against bf16 and cuDNN (results attention_fp8)
     attention-mla)  # v's head dim of its own (DeepSeek's 192/128 and 128/64): forward and backward (results *_mla)
       for mode in fwd bwd; do
         bench attention --mode $mode --sections throughput --head-dims 192/128,128/64 --seqlens 1024,4096,16384 \

@@ -14,6 +14,8 @@ _EXPORTS = {
     "flash_attention_varlen": "flashmoe_science.attention",
     "flash_attention_qkvpacked": "flashmoe_science.attention",
     "flash_attention_with_kvcache": "flashmoe_science.attention",
+    "fp8_attention_inputs": "flashmoe_science.attention",
+    "hadamard_rotate": "flashmoe_science.attention",
     "moe_route": "flashmoe_science.moe",
     "fused_experts": "flashmoe_science.moe",
     "fused_moe": "flashmoe_science.moe",

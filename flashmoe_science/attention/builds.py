@@ -15,7 +15,7 @@ from __future__ import annotations
 from itertools import product
 
 from ..kernel_build import KernelBuild
-from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, HOPPER_FORWARD, PREPROCESS_WARPS,
+from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, GLUON_FP8_FORWARD, HOPPER_FORWARD, PREPROCESS_WARPS,
                       VALUE_HEAD_DIM_BLOCKS, BackwardConfig, backward_configs, decode_configs, dkdv_maxnreg,
                       forward_configs, gluon_forward_configs, gluon_forward_tiles, gluon_separate_output,
                       preprocess_block_m)
@@ -42,19 +42,21 @@ def _dims_label(block_d: int, block_dv: int) -> str:
 def shipped_builds(capability: int):
     from ._kernels.forward import attention_forward_kernel
 
-    ptr = {2: "*fp16", 4: "*fp32"}
-    # Each config compiles plain, and with every option on (module docstring).
+    ptr = {1: "*fp8e4nv", 2: "*fp16", 4: "*fp32"}
+    # Each config compiles plain, and with every option on (module docstring). FP8 (one-byte)
+    # entries: the FP8 path, its output bf16.
     variants = ((False, False, False), (True, True, True))
     for (element_size, block_d, cfg), (block_dv, last) in ((c, v) for c in forward_configs(capability)
                                                            for v in _value_blocks(c[1])):
         for causal, softcap, varlen in variants[last:] if last else variants:
             sig = {name: "i32" for name in attention_forward_kernel.arg_names}
-            sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O=ptr[element_size],
-                       LSE="*fp32", CU_SEQLENS_Q="*i32", CU_SEQLENS_K="*i32", SEQUENCE_ORDER="*i32",
-                       scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
+            sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size],
+                       O="*bf16" if element_size == 1 else ptr[element_size], LSE="*fp32", CU_SEQLENS_Q="*i32",
+                       CU_SEQLENS_K="*i32", SEQUENCE_ORDER="*i32", DESCALE="*fp32", scale_log2="fp32",
+                       softcap_scale="fp32", softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, HEAD_DIM_V=block_dv, BLOCK_DV=block_dv,
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, SOFTCAP=softcap, VARLEN=varlen,
-                              WRITE_LSE=True)
+                              WRITE_LSE=True, FP8=element_size == 1)
             sig.update({name: "constexpr" for name in constexprs})
             options = "".join(f" {name}" for name, on in (("softcap", softcap), ("varlen", varlen)) if on)
             yield KernelBuild(
@@ -153,16 +155,47 @@ def _gluon_builds():
                                          ("desc_v", cfg.block_n, block_dv), ("desc_o", rows, block_dv)):
                 layout = gl.NVMMASharedLayout.get_default_for([1, 1, tile_rows, cols], dtype)
                 sig[arg] = f"tensordesc<{name}[1,1,{tile_rows},{cols}],{layout!r}>"
-            sig.update(LSE="*fp32", scale_log2="fp32")
+            sig.update(LSE="*fp32", DESCALE="*fp32", scale_log2="fp32")
             head_dim = _padded_head_dim(block_d, block_dv)
             constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
                               NUM_STAGES=cfg.num_stages, CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
-                              SEPARATE_O=gluon_separate_output(cfg, block_d, block_dv), PERSISTENT=persistent)
+                              SEPARATE_O=gluon_separate_output(cfg, block_d, block_dv), PERSISTENT=persistent,
+                              FP8=False)
             sig.update({n: "constexpr" for n in constexprs})
             yield KernelBuild(label=f"attention_forward_gluon {name} {_dims_label(block_d, block_dv)} causal={causal} "
                                     f"persistent={persistent} {cfg}",
                               fn=attention_forward_gluon_kernel, signature=sig, constexprs=constexprs,
                               num_warps=cfg.num_warps, num_stages=1, aligned=("LSE",))
+    yield from _gluon_fp8_builds()
+
+
+def _gluon_fp8_builds():
+    """The Gluon forward's FP8 builds (`configs.GLUON_FP8_FORWARD`), plain and causal: e4m3 Q, K
+    and V^T tiles (head_dim x keys), bf16 O."""
+    from triton.experimental.gluon import language as gl
+
+    from ._kernels.forward_gluon import attention_forward_gluon_kernel
+
+    def descriptor(name, dtype, rows, cols):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], dtype)
+        return f"tensordesc<{name}[1,1,{rows},{cols}],{layout!r}>"
+
+    for block_d, cfg in GLUON_FP8_FORWARD.items():
+        rows, consumers = gluon_forward_tiles(cfg)
+        for causal, persistent in ((False, True), (True, True), (True, False)):
+            sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}
+            sig.update(desc_q=descriptor("fp8e4nv", gl.float8e4nv, rows, block_d),
+                       desc_k=descriptor("fp8e4nv", gl.float8e4nv, cfg.block_n, block_d),
+                       desc_v=descriptor("fp8e4nv", gl.float8e4nv, block_d, cfg.block_n),
+                       desc_o=descriptor("bf16", gl.bfloat16, rows, block_d), LSE="*fp32", DESCALE="*fp32",
+                       scale_log2="fp32")
+            constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_DV=block_d,
+                              NUM_STAGES=cfg.num_stages, CAUSAL=causal, WRITE_LSE=True, NUM_CONSUMERS=consumers,
+                              SEPARATE_O=True, PERSISTENT=persistent, FP8=True)
+            sig.update({n: "constexpr" for n in constexprs})
+            yield KernelBuild(label=f"attention_forward_gluon fp8 D={block_d} causal={causal} persistent={persistent} "
+                                    f"{cfg}", fn=attention_forward_gluon_kernel, signature=sig,
+                              constexprs=constexprs, num_warps=cfg.num_warps, num_stages=1, aligned=("LSE", "DESCALE"))
 
 
 def _backward_builds(capability: int):

@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from ..device import check_runnable
+from ..float8 import FP8_DTYPE
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NO_WINDOW = (-1, -1)
@@ -24,12 +25,13 @@ def check_tensor(name: str, t, ndim: int, dims: str, dtypes=DTYPES) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d)[6:] for d in dtypes)}")
 
 
-def check_inputs(q, k, v, packed: bool = False) -> None:
+def check_inputs(q, k, v, packed: bool = False, fp8: bool = False) -> None:
     """q, k, v of a dense call (4-D), or of a packed variable-length call (3-D). v's head dim
-    may differ from q's and k's (MLA: 192 and 128)."""
+    may differ from q's and k's (MLA: 192 and 128). fp8: float8 e4m3 inputs are allowed too (a
+    forward whose descales `fp8.fp8_descales` checked)."""
     ndim, dims = (3, "(total_tokens, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, ndim, dims)
+        check_tensor(name, t, ndim, dims, DTYPES + (FP8_DTYPE,) if fp8 else DTYPES)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):

@@ -90,7 +90,14 @@ FORWARD = {
             256: (C(64, 32, 8, 2), C(32, 32, 4, 2))},
         4: _FP32_FORWARD},
 }
-del C
+# FP8 (e4m3, one byte) takes the 16-bit tiles, whose tiles of half the bytes fit wherever those do:
+# sm89 (the generic kernel's FP8 path) and sm90 below the Gluon kernel's sizes; sm80 and sm86 have
+# no FP8 tensor cores (its entry serves Triton's interpreter, which picks configs as an A100). An
+# FP8 product sums at least 32 along K, so head dims start at FP8_MIN_HEAD_DIM.
+FP8_MIN_HEAD_DIM = 32
+for _family in FORWARD.values():
+    _family[1] = {block_d: pair for block_d, pair in _family[2].items() if block_d >= FP8_MIN_HEAD_DIM}
+del C, _family
 
 
 # The Hopper forward (TMA descriptors, `forward.launch_tma`) for 16-bit inputs, by padded head
@@ -123,6 +130,14 @@ GLUON_FORWARD = {
     256: ([(0, AttentionConfig(128, 64, 4, 2))], [(0, AttentionConfig(128, 64, 4, 2))]),
 }
 GLUON_PERSISTENT_MAX_CAUSAL_KEYS = 4096
+# The Gluon forward's FP8 builds (`_kernels/forward_gluon.py` with FP8: e4m3 Q, K and V^T tiles,
+# 16-bit O through buffers of its own), by padded head dim (q's, k's and v's alike), for every
+# key count, masked or not. H100 sweep at S = 4096 and 16384 (benchmarks/results/
+# attention_fp8_sweep.json): two consumers of 64 rows against 128-key blocks at D = 64 and 128
+# (four stages at D = 128: 675 against 625 TFLOP/s for two, non-causal S = 16384), 64-key blocks
+# at D = 256 (938 against 350 for 128); three consumers ran slower at every head dim.
+GLUON_FP8_FORWARD = {64: AttentionConfig(128, 128, 4, 2), 128: AttentionConfig(128, 128, 4, 4),
+                     256: AttentionConfig(128, 64, 4, 2)}
 
 
 def gluon_forward_config(block_d: int, masked: bool, seqlen_k: int) -> AttentionConfig | None:
@@ -193,9 +208,13 @@ def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, 
     configuration, or None where the generic kernel runs. `masked`: the call is causal or has a
     window. A v head dim other than q's and k's (MLA) takes the entry of the larger padded head
     dim."""
-    if device.capability != 90 or device.arch_family != 90 or element_size != 2 or flops < HOPPER_MIN_FLOPS:
+    if device.capability != 90 or device.arch_family != 90 or element_size > 2 or flops < HOPPER_MIN_FLOPS:
         return None
     block_d = head_dim_block(max(head_dim, head_dim_v or 0))
+    if element_size == 1:  # FP8: the Gluon kernel at one head dim for q, k and v; else the generic one
+        fp8 = GLUON_FP8_FORWARD.get(block_d)
+        same_dims = head_dim_v in (None, head_dim)
+        return (True, fp8) if fp8 is not None and not softcap and same_dims and head_dim % 16 == 0 else None
     gluon = None if softcap else gluon_forward_config(block_d, masked, seqlen_k)
     if gluon is not None and head_dim_v is not None and head_dim_block(head_dim_v) != head_dim_block(head_dim):
         # v's own width: O needs buffers of its own (the kernel cannot reuse Q's)
@@ -229,6 +248,8 @@ def forward_configs(capability: int):
 
     probe = DeviceInfo("", capability, 1, SHARED_MEMORY_PER_BLOCK[capability], 0)
     for element_size, by_dim in FORWARD[probe.arch_family].items():
+        if element_size == 1 and capability < 89:  # no FP8 tensor cores
+            continue
         for block_d, pair in by_dim.items():
             for cfg in dict.fromkeys(pair):
                 yield element_size, block_d, cfg

@@ -66,7 +66,8 @@ def backward_descriptors(row_tensors, key_tensors, config, built=None):
 def _gluon_layout(rows: int, block_d: int, dtype: torch.dtype):
     """The shared-memory layout wgmma (or, for fp32, the dQ reduce) wants for a (1, 1, rows,
     block_d) tile: the widest swizzle its rows allow."""
-    element = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    element = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
+               torch.float8_e4m3fn: gl.float8e4nv}[dtype]
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], element)
 
 

@@ -33,6 +33,7 @@ import math
 import torch
 
 from ..device import info_for
+from ..float8 import FP8_DTYPE
 from ..flops import attention_flops
 from ..launch import KernelLauncher, PlanCache
 from . import descriptors
@@ -43,6 +44,7 @@ from .checks import NO_WINDOW, check_band, check_inputs, check_options
 from .configs import (forward_config, gluon_forward_section, gluon_forward_tiles, gluon_persistent,
                       gluon_separate_output, head_dim_block, hopper_forward_config, takes_decode)
 from .decode import DecodePlan, launch_decode
+from .fp8 import FP8_OUT_DTYPE, fp8_value_tiles
 from .layouts import LOG2E, cdiv, dense_strides, kernel_window, positive_scale, row_strides, token_totals
 
 _FORWARD = KernelLauncher("attention_forward", attention_forward_kernel, fp32_dots=True)
@@ -62,12 +64,17 @@ class ForwardPlan:
 
     __slots__ = ("empty", "contiguous", "config", "grid", "default_scale", "softcap", "packed", "lse_shape",
                  "device_index", "kernel_options", "launch_tail", "hopper", "decode", "window", "causal",
-                 "out_shape", "out_strides")
+                 "out_shape", "out_strides", "out_dtype", "fp8")
 
     def __init__(self, q, k, v, batch, seqlen_q, seqlen_k, causal, window_size, softcap, write_lse, packed,
                  config=None):
         heads_q, head_dim, head_dim_v = q.shape[1], q.shape[-1], v.shape[-1]
-        self.contiguous = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+        self.fp8 = q.dtype == FP8_DTYPE  # (`fp8.py`): a bf16 output
+        self.out_dtype = FP8_OUT_DTYPE if self.fp8 else q.dtype
+        # FP8's v may have any strides for the sm90 kernel, which reads a copy (`fp8.fp8_value_tiles`);
+        # the generic kernel, like every 16-bit path, reads rows of unit stride (set below once the
+        # kernel is known).
+        self.contiguous = q.stride(-1) != 1 or k.stride(-1) != 1 or (v.stride(-1) != 1 and not self.fp8)
         # The output is q's shape with v's head dim, its dimensions in the memory order of the q
         # the kernel runs on (`output_like`; a contiguous copy where `contiguous`).
         self.out_shape = (*q.shape[:-1], head_dim_v)
@@ -91,14 +98,14 @@ class ForwardPlan:
                                *token_totals(q, k, packed), num_m_blocks,
                                *kernel_window(causal, window_size), head_dim, head_dim_block(head_dim),
                                head_dim_v, head_dim_block(head_dim_v), cfg.block_m, cfg.block_n, causal, softcap > 0,
-                               packed, write_lse)
+                               packed, write_lse, self.fp8)
         self.launch_tail = None
         self.causal = causal
         self.window = kernel_window(causal, window_size)
         # Large dense 16-bit calls on sm90 take the TMA kernels when the tensors allow it.
         flops = attention_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, head_dim_v=head_dim_v)
         self.hopper = self.decode = None
-        if (config is None and not packed and not self.contiguous and head_dim_v == head_dim
+        if (config is None and not packed and not self.contiguous and head_dim_v == head_dim and not self.fp8
                 and takes_decode(q.element_size(), seqlen_q, heads_q // k.shape[1], seqlen_k)):
             # A short query against many keys: the KV-cache kernels, the keys as a full cache.
             self.decode = DecodePlan(q.transpose(1, 2), k.transpose(1, 2), None, causal, window_size, 0)
@@ -106,8 +113,12 @@ class ForwardPlan:
             masked = causal or any(w >= 0 for w in window_size)
             hopper_cfg = hopper_forward_config(info_for(q), q.element_size(), head_dim, flops, softcap > 0, masked,
                                                seqlen_k, head_dim_v)
-            if hopper_cfg is not None and descriptors.supports(q, k, v):
+            # FP8's V reaches the Gluon kernel as a copy (`fp8.fp8_value_tiles`), TMA-addressable whatever v is.
+            if hopper_cfg is not None and descriptors.supports(q, k, *(() if self.fp8 else (v,))):
                 self.hopper = hopper_cfg
+        if self.hopper is None and v.stride(-1) != 1 and not self.contiguous:  # FP8's v, generic kernel
+            self.contiguous = True
+            self.out_strides = dense_strides(self.out_shape)
 
 
 def plan_key(q, k, v, causal, window_size, softcap, write_lse):
@@ -117,13 +128,14 @@ def plan_key(q, k, v, causal, window_size, softcap, write_lse):
 
 
 def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
-                sequence_order=None):
+                sequence_order=None, descales=None):
     """Launches the forward kernel for a plan: returns (out, lse), lse None unless `write_lse`.
     `key` (None: Triton's ordinary launch path) must determine the plan, as `plan_key` does.
-    Packed batches pass their cumulative lengths and `sequence_order` (`varlen.longest_first`)."""
+    Packed batches pass their cumulative lengths and `sequence_order` (`varlen.longest_first`).
+    FP8 calls pass their (B, Hkv, 3) descales (`fp8.fp8_descales`)."""
     if plan.contiguous:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_strided(plan.out_shape, plan.out_strides, dtype=q.dtype, device=q.device)
+    out = torch.empty_strided(plan.out_shape, plan.out_strides, dtype=plan.out_dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if write_lse else None
     if plan.empty:
         return out, lse
@@ -137,8 +149,8 @@ def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, 
     if plan.hopper is not None:
         gluon, cfg = plan.hopper
         if gluon:
-            launch_gluon(q, k, v, out, lse, scale, cfg, plan.window, causal=plan.causal,
-                         device_index=plan.device_index, key=key)
+            launch_gluon(q, k, fp8_value_tiles(v) if plan.fp8 else v, out, lse, scale, cfg, plan.window, causal=plan.causal,
+                         device_index=plan.device_index, key=key, descales=descales)
         else:
             launch_tma(q, k, v, out, lse, scale, softcap, cfg, plan.window, causal=plan.causal,
                        device_index=plan.device_index, key=key)
@@ -152,7 +164,7 @@ def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, 
     cfg = plan.config
     scales = (scale * LOG2E, scale / softcap if softcap else 0.0, softcap * LOG2E)
     _FORWARD.launch(key, plan.grid, (q, k, v, out, lse if write_lse else out, cu_seqlens_q, cu_seqlens_k,
-                                     sequence_order, *scales) + tail,
+                                     sequence_order, out if descales is None else descales, *scales) + tail,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     return out, lse
 
@@ -184,15 +196,19 @@ def launch_tma(q, k, v, out, lse, scale, softcap, config, window, *, causal, dev
 
 
 def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, persistent=None, device_index=None,
-                 key=None) -> None:
+                 key=None, descales=None) -> None:
     """As `launch_tma`, through the Gluon kernel (`_kernels/forward_gluon.py`): no softcap;
     config.block_m query rows per tile, 16 per warp of its four-warp consumers (config.num_warps
     is a consumer's), so block_m = 128 runs two consumers and 192 three. `persistent` (default:
     `configs.gluon_persistent`): one program per SM walks the tiles; else one program per tile.
-    v (and out) may have a head dim of their own (MLA) where `configs.gluon_separate_output` holds."""
+    v (and out) may have a head dim of their own (MLA) where `configs.gluon_separate_output` holds.
+    FP8 (`descales` given, (B, Hkv, 3)): q, k in FP8 and v as `fp8.fp8_value_tiles` lays it out,
+    (B, Hkv, D, Sk padded to 16); out 16-bit."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    block_d, block_dv = head_dim_block(head_dim), head_dim_block(v.shape[-1])
+    fp8 = descales is not None
+    block_d = head_dim_block(head_dim)
+    block_dv = head_dim_block(v.shape[2] if fp8 else v.shape[-1])
     rows, consumers = gluon_forward_tiles(config)
     num_m_blocks = -(-seqlen_q // config.block_m)
     tiles = num_m_blocks * batch * heads_q
@@ -205,22 +221,24 @@ def launch_gluon(q, k, v, out, lse, scale, config, window, *, causal, persistent
     def describe(t, tile_rows):
         return descriptors.gluon_descriptor(t, tile_rows, head_dim_block(t.shape[-1]))
 
+    desc_v = descriptors.gluon_descriptor(v, block_dv, config.block_n) if fp8 else describe(v, config.block_n)
     _GLUON.launch(
         key, (programs, 1, 1),
-        (describe(q, rows), describe(k, config.block_n), describe(v, config.block_n), describe(out, rows),
-         out if lse is None else lse, scale * LOG2E, heads_q * seqlen_q, seqlen_q,
+        (describe(q, rows), describe(k, config.block_n), desc_v, describe(out, rows),
+         out if lse is None else lse, descales if fp8 else out, scale * LOG2E, heads_q * seqlen_q, seqlen_q,
          heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks, batch * heads_q, section, *window,
          rows, config.block_n, head_dim, block_d, block_dv, config.num_stages, causal, lse is not None, consumers,
-         gluon_separate_output(config, block_d, block_dv), persistent),
+         fp8 or gluon_separate_output(config, block_d, block_dv), persistent, fp8),
         num_warps=4, num_stages=1, device_index=device_index)
 
 
 def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_lse: bool, config=None,
-                      window_size=NO_WINDOW, softcap: float = 0.0):
+                      window_size=NO_WINDOW, softcap: float = 0.0, descales=None):
     """Runs the forward kernel on dense inputs: returns (out, lse) with lse None unless `write_lse`.
 
     `config` forces an AttentionConfig (for tuning sweeps); such calls take Triton's ordinary,
-    uncached launch path, as do calls whose window_size is a list rather than a tuple.
+    uncached launch path, as do calls whose window_size is a list rather than a tuple. FP8 calls
+    pass their checked descales (`fp8.fp8_descales`).
     """
     # The options' types and values are checked on every call (a cached plan's key compares
     # causal=1 equal to True and window (1.0, 2) equal to (1, 2)); the tensors' facts are the key.
@@ -234,30 +252,35 @@ def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_
         except AttributeError:  # not tensors: the checks say which
             key = None
     if plan is None:
-        check_inputs(q, k, v)
+        check_inputs(q, k, v, fp8=descales is not None)
         plan = ForwardPlan(q, k, v, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, write_lse,
                             False, config)
         if key is not None:
             PLANS.remember(key, plan)
-    return launch_forward(plan, key, q, k, v, None, None, softmax_scale, write_lse)
+    if plan.fp8 != (descales is not None):  # a cached plan's fast path too: never FP8 bytes read as 16-bit
+        raise TypeError("FP8 q, k, v run through flash_attention_science or flash_attention_forward with their "
+                        "descales (eager; not under torch.compile); other dtypes take no descales")
+    return launch_forward(plan, key, q, k, v, None, None, softmax_scale, write_lse, descales=descales)
 
 
 def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, gluon: bool = False,
-                             persistent: bool | None = None, write_lse: bool = False, window_size=NO_WINDOW):
+                             persistent: bool | None = None, write_lse: bool = False, window_size=NO_WINDOW,
+                             descales=None):
     """Forward through the Hopper Triton kernel, or the Gluon kernel with `gluon` (`persistent` as
     for `launch_gluon`), with an explicit AttentionConfig (for sweeps); returns (out, lse).
 
     q: (B, Hq, Sq, D), k and v: (B, Hkv, Sk, D), fp16 or bf16, on an sm90 GPU, `supports` true;
-    window_size as for `flash_attention_science` (with causal, the right bound is 0).
+    window_size as for `flash_attention_science` (with causal, the right bound is 0). FP8 (Gluon
+    only): q, k, v in FP8 with their (B, Hkv, 3) `descales` (`fp8.fp8_descales`), out bf16.
     """
     q, softmax_scale = positive_scale(q, softmax_scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=FP8_OUT_DTYPE if descales is not None else q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if write_lse else None
     left, right = window_size
     window = (left, 0 if causal else right)
     if gluon:
-        launch_gluon(q, k, v, out, lse, softmax_scale, config, window, causal=causal, persistent=persistent,
-                     device_index=q.device.index)
+        launch_gluon(q, k, fp8_value_tiles(v) if descales is not None else v, out, lse, softmax_scale, config, window,
+                     causal=causal, persistent=persistent, device_index=q.device.index, descales=descales)
     else:
         launch_tma(q, k, v, out, lse, softmax_scale, 0.0, config, window, causal=causal,
                    device_index=q.device.index)

@@ -13,6 +13,7 @@ import torch
 
 from .backward import attention_backward
 from .checks import NO_WINDOW, check_band, check_bool, check_flags, check_options
+from .fp8 import fp8_descales
 from .forward import attention_forward
 
 
@@ -58,13 +59,16 @@ class _AttentionFunction(torch.autograd.Function):
         return (*gradients_from_context(ctx, grad_out, grad_lse, attention_backward), None, None, None, None)
 
 
-def flash_attention_forward(q, k, v, causal=False, softmax_scale=None, *, window_size=NO_WINDOW, softcap=0.0):
-    """Fused attention forward; returns (out, lse). See `flash_attention_science` for the contract.
+def flash_attention_forward(q, k, v, causal=False, softmax_scale=None, *, window_size=NO_WINDOW, softcap=0.0,
+                            q_descale=None, k_descale=None, v_descale=None):
+    """Fused attention forward; returns (out, lse). See `flash_attention_science` for the contract
+    (FP8 inputs with their descales included).
 
     lse: (B, Hq, Sq) float32, the natural-log sum of exponentials of each query row's scaled
     scores (-inf for rows that see no key); the backward pass takes it.
     """
-    return attention_forward(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
+    descales = fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale)
+    return attention_forward(q, k, v, causal, softmax_scale, True, None, window_size, softcap, descales)
 
 
 def flash_attention_backward(grad_output, q, k, v, output, softmax_lse, causal=False, softmax_scale=None, *,
@@ -91,7 +95,7 @@ def flash_attention_backward(grad_output, q, k, v, output, softmax_lse, causal=F
 
 
 def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window_size=NO_WINDOW, softcap=0.0,
-                            return_lse=False, deterministic=False):
+                            return_lse=False, deterministic=False, q_descale=None, k_descale=None, v_descale=None):
     """Fused scaled-dot-product attention, differentiable in q, k and v.
 
     Args:
@@ -117,6 +121,12 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
         return_lse: also return lse (B, Hq, Sq) float32, natural log. It is differentiable too.
         deterministic: accepted for compatibility with flash-attn. The backward is always bitwise
             reproducible (no atomic adds: dQ has its own kernel), so True costs nothing.
+        q_descale, k_descale, v_descale: FP8 attention (FlashAttention-3's interface, `fp8.py`):
+            q, k and v all in torch.float8_e4m3fn, and these float32 (B, Hkv) tensors (None: 1)
+            the factors that turn the stored values into real ones, >= 0. Both products run on the
+            FP8 tensor cores (sm89, sm90; sm80 and sm86 refuse), the output is bf16, lse as usual;
+            forward only (no gradients, not under torch.compile). `fp8_attention_inputs(q, k, v)`
+            makes all six from 16-bit tensors.
 
     Any Sq, Sk >= 0 and any D, D_v from 16 to 256. Inputs may have any strides with unit stride in D
     (such as (B, S, H, D).transpose(1, 2) views), which are read in place; a tensor whose last
@@ -132,6 +142,15 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
         out (B, Hq, Sq, D_v), or (out, lse) when return_lse.
     """
     check_flags(deterministic, return_lse)
+    descales = fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale)
+    if descales is not None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError("FP8 attention runs eagerly only; call it outside torch.compile "
+                               "(torch.compiler.disable) for now")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise RuntimeError("FP8 attention is forward only: q, k and v must not require grad")
+        out, lse = attention_forward(q, k, v, causal, softmax_scale, return_lse, None, window_size, softcap, descales)
+        return (out, lse) if return_lse else out
     try:
         differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     except AttributeError:  # not tensors: the lean path's checks say which argument is wrong

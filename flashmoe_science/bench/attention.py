@@ -21,6 +21,8 @@ Sections (rows carry a "section" column):
   (from host-bound calls to GPU-bound ones), on each side of the train section.
 - decode (--mode decode, results attention_decode; `attention_decode.py`): one new token against
   contiguous and paged KV caches, ours against SDPA's fastest backend and the copy floor.
+- fp8 (--mode fp8, results attention_fp8; `attention_fp8.py`): the FP8 forward against our bf16
+  one and SDPA's cuDNN backend, and its error on FlashAttention-3's outlier distribution.
 Sections varlen, window and calls (`attention_workloads.py`) time the --mode given; run alone, they write
 attention_<sections>_<mode> (such as attention_varlen_window_fwd_bwd). Without a GPU they run
 through the interpreter at a tiny size, without FlexAttention.
@@ -46,9 +48,9 @@ INPUT_SETS = 8  # small calls rotate among this many input sets, so no side is f
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--mode", choices=["fwd", "bwd", "fwd+bwd", "decode"], default="fwd",
-                        help="time the forward, the backward alone, both, or one new token against a KV "
-                             "cache (`attention_decode.py`) (default: fwd)")
+    parser.add_argument("--mode", choices=["fwd", "bwd", "fwd+bwd", "decode", "fp8"], default="fwd",
+                        help="time the forward, the backward alone, both, one new token against a KV "
+                             "cache (`attention_decode.py`), or the FP8 forward (`attention_fp8.py`) (default: fwd)")
     parser.add_argument("--sections", default=None,
                         help="comma list of overhead,small,throughput,memory,train,varlen,window,calls (default: "
                              "overhead,small,throughput for fwd, throughput,memory,train otherwise)")
@@ -64,6 +66,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sweep-gluon", action="store_true",
                         help="with --sweep-hopper: of the Hopper kernels, time only the Triton kernel's shipped "
                              "configuration and the Gluon kernel's candidates")
+    parser.add_argument("--sweep-fp8", action="store_true",
+                        help="time the Gluon kernel's FP8 candidates against our bf16 forward instead")
     parser.add_argument("--window", type=int, default=None,
                         help="with --sweep or --sweep-hopper: time causal sliding-window calls of this left window "
                              "(window_size=(W, 0)) instead of plain and causal ones")
@@ -413,8 +417,16 @@ def run(args) -> dict:
         if device.type == "cpu":
             meta["note"] = "no GPU: Triton CPU interpreter at small size; errors only"
         return {"name": "attention_decode", "rows": attention_decode.run(args, device), "meta": meta}
-    if args.sweep or args.sweep_hopper:
+    if args.mode == "fp8":
+        from . import attention_fp8
+        meta["fa3_published_rmse"] = attention_fp8.FA3_PUBLISHED_RMSE
+        if device.type == "cpu":
+            meta["note"] = "no GPU: Triton CPU interpreter, a tiny accuracy case only"
+        return {"name": "attention_fp8", "rows": attention_fp8.run(args, device), "meta": meta}
+    if args.sweep or args.sweep_hopper or args.sweep_fp8:
         from .sweeps import attention_forward as sweeps
+        if args.sweep_fp8:
+            return {"name": f"attention_fp8_sweep{suffix}", "rows": sweeps.fp8_sweep(args, device), "meta": meta}
         if args.sweep:
             return {"name": f"attention_sweep{suffix}", "rows": sweeps.sweep(args, device), "meta": meta}
         name = f"attention_hopper_sweep{'_gluon' if args.sweep_gluon else ''}{suffix}"
@@ -522,6 +534,9 @@ def summarize(result: dict) -> str:
             if r.get("ours_speedup") is not None and r["impl"] != "sdpa_default":
                 lo, hi = r["ours_speedup_ci"]
                 lines[-1] += f", {r['ours_speedup']:.3f}x [{lo:.3f}, {hi:.3f}] SDPA default's speed"
+    for r in rows:
+        if r.get("section") == "accuracy":
+            lines.append(f"accuracy (outliers) {r['impl']}: RMSE {r['rmse']:.2e}, rel. error {r['rel_err']:.2e}")
     lines += _summarize_workloads(rows)
     return "\n".join(lines)
 

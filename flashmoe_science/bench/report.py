@@ -282,6 +282,41 @@ def render_moe_fp8(name: str, result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_attention_fp8(name: str, result: dict) -> str:
+    """The FP8 forward against our bf16 forward and SDPA's cuDNN backend (bf16) in the same run,
+    and each side's error on FlashAttention-3's outlier distribution next to the paper's figures."""
+    rows, meta = result["rows"], result["meta"]
+    out = [_source_line(name, meta).rstrip("\n"), ""]
+    accuracy = [r for r in rows if r.get("section") == "accuracy"]
+    if accuracy:
+        r0 = accuracy[0]
+        out += [f"Error on N(0, 1) entries plus 0.1% drawn from N(0, 10), (B, S, H, D) = ({r0['batch']}, "
+                f"{r0['seqlen']}, {r0['heads']}, {r0['head_dim']}), non-causal, against float64 of the "
+                "unquantised inputs:", "", "| implementation | RMSE | rel. error |", "|---|---|---|"]
+        names = {"ours_bf16": "ours, bf16", "ours_fp8": "ours, FP8 (scales per batch and KV head)",
+                 "ours_fp8_rotated": "ours, FP8 after `hadamard_rotate`", "ours_fp8_per_tensor": "ours, FP8, one scale a tensor"}
+        out += [f"| {names.get(r['impl'], r['impl'])} | {r['rmse']:.2e} | {r['rel_err']:.2e} |" for r in accuracy]
+        published = meta.get("fa3_published_rmse") or {}
+        if published:
+            out += ["", "FlashAttention-3's published RMSE on this distribution (Shah et al. 2024, not measured here): "
+                    + ", ".join(f"{k.replace('_', ' ')} {v:.1e}" for k, v in published.items()) + "."]
+        out.append("")
+    grid: dict = {}
+    for r in rows:
+        if r.get("section") == "throughput":
+            grid.setdefault((r["head_dim"], r["seqlen"], r["causal"]), {})[r["impl"]] = r
+    if grid:
+        out += ["| D | S | causal | FP8 TFLOP/s | ours bf16 | SDPA cuDNN (bf16) | FP8 / ours bf16 [95% CI] | "
+                "FP8 / SDPA cuDNN | rel. error FP8 / bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+        for (d, seqlen, causal), by in sorted(grid.items()):
+            fp8, bf16, cudnn = by.get("ours_fp8", {}), by.get("ours_bf16", {}), by.get("sdpa_cudnn", {})
+            out.append(f"| {d} | {seqlen} | {causal} | {_fmt(fp8.get('tflops'))} | {_fmt(bf16.get('tflops'))} | "
+                       f"{_fmt(cudnn.get('tflops'))} | {_ratio_ci(fp8, 'speedup_vs_ours_bf16')} | "
+                       f"{_ratio_ci(fp8, 'speedup_vs_sdpa_cudnn')} | {_fmt(fp8.get('rel_err'), 3)} / "
+                       f"{_fmt(bf16.get('rel_err'), 4)} |")
+    return "\n".join(out) + "\n"
+
+
 def render_generic(name: str, result: dict) -> str:
     """A table of every column, for results files without a dedicated renderer."""
     rows = result["rows"]
@@ -423,6 +458,8 @@ def render_ep(name: str, result: dict) -> str:
 def render(name: str, result: dict) -> str:
     if name.startswith("ep"):
         return render_ep(name, result)
+    if name == "attention_fp8":
+        return render_attention_fp8(name, result)
     if name.startswith("attention_"):
         return render_attention(name, result)
     if name == "model":
@@ -463,8 +500,9 @@ def render_moe_train(name: str, result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-# The README's headline cases: attention (head dim, causal, S) and MoE (shape, T).
+# The README's headline cases: attention (head dim, causal, S), FP8 attention's, and MoE (shape, T).
 _HEADLINE_ATTENTION = ((128, True, 4096), (128, True, 16384))
+_HEADLINE_FP8_ATTENTION = ((128, False, 16384), (256, False, 16384))
 _HEADLINE_MOE = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 16384))
 
 
@@ -497,6 +535,17 @@ def render_headline(results_dir) -> str:
                            f"{ours['tflops']:.0f} TFLOP/s | {theirs['tflops']:.0f} "
                            f"({_IMPL_NAMES.get(theirs['impl'])}) | "
                            f"{ours['tflops'] / theirs['tflops']:.2f}x | `{name}.json` |")
+    result = _load(results_dir, "attention_fp8")
+    if result is not None:
+        gpus.append(result["meta"].get("gpu") or "CPU")
+        for head_dim, causal, seqlen in _HEADLINE_FP8_ATTENTION:
+            by = {r["impl"]: r for r in result["rows"] if r.get("section") == "throughput" and r.get("tflops")
+                  and (r["head_dim"], r["causal"], r["seqlen"]) == (head_dim, causal, seqlen)}
+            if "ours_fp8" in by and "sdpa_cudnn" in by:
+                ours, theirs = by["ours_fp8"], by["sdpa_cudnn"]
+                out.append(f"| attention forward, FP8 | D={head_dim} S={seqlen}{' causal' if causal else ''} | "
+                           f"{ours['tflops']:.0f} TFLOP/s | {theirs['tflops']:.0f} (SDPA cuDNN, bf16; no FP8 in "
+                           f"PyTorch) | {ours['tflops'] / theirs['tflops']:.2f}x | `attention_fp8.json` |")
     for name, label in (("moe", "MoE layer forward"), ("moe_fwd_bwd", "MoE layer forward+backward")):
         result = _load(results_dir, name)
         if result is None:
@@ -538,7 +587,7 @@ def render_headline(results_dir) -> str:
                        f"{ours['tokens_per_s_per_gpu'] / 1e3:.0f}k tokens/s per GPU | "
                        f"{theirs['tokens_per_s_per_gpu'] / 1e3:.0f}k (all_to_all + grouped_mm) | "
                        f"{ours['tokens_per_s_per_gpu'] / theirs['tokens_per_s_per_gpu']:.2f}x | `ep_4gpu.json` |")
-    return f"_{', '.join(dict.fromkeys(gpus))}; bf16._\n\n" + "\n".join(out) + "\n"
+    return f"_{', '.join(dict.fromkeys(gpus))}; bf16 unless marked FP8._\n\n" + "\n".join(out) + "\n"
 
 
 def update_readme(results_dir, readme_path, *, check: bool = False) -> bool:

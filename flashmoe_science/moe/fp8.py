@@ -15,12 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..device import info_for
+from ..float8 import FP8_DTYPE, FP8_MAX, check_fp8_device
 from ..launch import KernelLauncher, PlanCache
 from . import configs, routing
 from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, quantize_groups_kernel
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 GROUP = configs.FP8_GROUP
 _MIN_SCALE = 1e-12
 
@@ -119,10 +118,7 @@ def check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activ
     _check_scales("w2_scale", w2_scale, w2, block_shape)
     if activation not in configs.ACTIVATIONS:
         raise ValueError(f"activation must be one of {configs.ACTIVATIONS}, got {activation!r}")
-    device = info_for(hidden_states)
-    if hidden_states.is_cuda and device.capability < 89:
-        raise RuntimeError(f"FP8 experts need FP8 tensor cores (compute capability 8.9 or newer); "
-                           f"{device.name} is sm{device.capability}")
+    check_fp8_device("FP8 experts", hidden_states)
 
 
 # Scales already found finite and positive, by (storage address, version counter, shape): a

@@ -19,6 +19,7 @@ each sequence's start, and programs past a short sequence's end return at once.
 import triton
 import triton.language as tl
 
+from ...float8 import SOFTWARE_FP8_ROUNDING, round_to_e4m3
 from .tiles import load_tile
 
 UNBOUNDED = tl.constexpr(1 << 30)
@@ -31,6 +32,10 @@ TF32 = tl.constexpr("tf32")
 # The smallest softmax scale the forward kernels take: a zero one gives the same uniform weights
 # this way, without 0 * -inf on masked scores (`softmax_step`).
 MIN_SCALE = 1e-30
+MIN_SCALE_IN_KERNEL = tl.constexpr(MIN_SCALE)
+# FP8 forwards scale P by 2^FP8_P_SHIFT before quantising it (`softmax_step`): P <= 256 stays far
+# below e4m3's 448, and probabilities down to 2^-14 stay normal numbers (2^-6 unscaled).
+FP8_P_SHIFT = tl.constexpr(8)
 
 
 @triton.jit
@@ -145,7 +150,7 @@ def band_edge_mask(s, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, EDGES
 @triton.jit
 def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
                  softcap_scale, softcap_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr = TF32):
+                 DOT_PRECISION: tl.constexpr = TF32, P_SHIFT: tl.constexpr = 0):
     """One key block of the online softmax: scores qk = q.k^T (fp32) to base-2 logits s * mult
     (softcapped if asked), masked to the band on edge blocks (MASKED: NO_EDGE, RIGHT_EDGE or
     BOTH_EDGES, `band_edge_mask`), then rescale and accumulate p.v.
@@ -153,7 +158,12 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_l
     The multiplier is folded into the exponent's one FMA and the row maximum is taken over the
     unscaled scores: max(s) * mult = max(s * mult) as mult > 0 (`layouts.positive_scale` negates q
     for a negative softmax_scale and raises a zero one to MIN_SCALE, so masked scores stay -inf
-    after the multiply)."""
+    after the multiply).
+
+    P_SHIFT (FP8 products, `FP8_P_SHIFT`): the probabilities are 2^P_SHIFT times their value, so
+    that P, quantised to v's dtype for the P V product, uses e4m3's normal range rather than its
+    subnormals; the row sums carry the same power of two, which the division by them cancels
+    exactly."""
     if SOFTCAP:
         s = tanh(qk * softcap_scale)  # softcap * tanh(score / softcap) = softcap_log2 * s in base 2
         mult = softcap_log2
@@ -165,16 +175,33 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_l
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * mult - m_sub[:, None])
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
         m_sub = m_new
+    if P_SHIFT != 0:
+        p = tl.math.exp2(s * mult - (m_sub - P_SHIFT)[:, None])
+    else:
         p = tl.math.exp2(s * mult - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if P_SHIFT != 0:
+        if SOFTWARE_FP8_ROUNDING:
+            p = round_to_e4m3(p)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def fp8_scores_scale(descale, scale_log2, softcap_scale):
+    """(scale_log2, softcap_scale) of an FP8 program, descale pointing at its (q_descale,
+    k_descale, v_descale): both times q_descale * k_descale. The softmax takes row maxima of
+    unscaled scores, so a negative or NaN product turns every score NaN rather than silently
+    inverting the weights; a zero one (an all-zero tensor's) is raised to MIN_SCALE as the host
+    raises a zero softmax_scale, so masked scores stay -inf after the multiply."""
+    qk_descale = tl.load(descale) * tl.load(descale + 1)
+    scale_log2 = tl.where(qk_descale >= 0, tl.maximum(scale_log2 * qk_descale, MIN_SCALE_IN_KERNEL), float("nan"))
+    return scale_log2, softcap_scale * qk_descale
 
 
 @triton.jit
@@ -191,19 +218,19 @@ def finish(acc, l_i, m_i):
 def _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv, seqlen_k, diag_lo,
                   diag_hi, scale_log2, softcap_scale, softcap_log2, stride_kn, stride_vn,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, P_SHIFT: tl.constexpr):
     cols = start_n + offs_n
     start64 = tl.cast(start_n, tl.int64)  # start_n * stride passes 2**31 on long (B, S, H, D) inputs
     k = load_tile(k_ptrs + start64 * stride_kn, cols, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED != NO_EDGE)
     v = load_tile(v_ptrs + start64 * stride_vn, cols, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED != NO_EDGE)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     return softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
-                        softcap_scale, softcap_log2, MASKED, SOFTCAP, DOT_PRECISION)
+                        softcap_scale, softcap_log2, MASKED, SOFTCAP, DOT_PRECISION, P_SHIFT)
 
 
 @triton.jit
 def attention_forward_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, DESCALE,
     scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -214,11 +241,24 @@ def attention_forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """q and k have head dim HEAD_DIM (padded to BLOCK_D in tiles), v and the output HEAD_DIM_V
-    (padded to BLOCK_DV): equal, or different as in MLA (192 and 128)."""
+    (padded to BLOCK_DV): equal, or different as in MLA (192 and 128).
+
+    FP8: q, k, v in float8 e4m3, both products on the FP8 tensor cores with fp32 accumulation, and
+    DESCALE a float32 (batch, heads_kv, 3) tensor: the factors (q_descale, k_descale, v_descale)
+    that turn each (sequence, KV head)'s stored values back into real ones (FlashAttention-3's
+    per-head descaling). Scores take q_descale * k_descale with the softmax scale, P is quantised
+    to e4m3 at 2^FP8_P_SHIFT times its value, and the output takes v_descale; O is 16-bit.
+    Otherwise DESCALE is never read."""
     b, h, h_kv, pid_m = program_coordinates(num_heads_q, group_size, num_m_blocks, CAUSAL)
+    P_SHIFT: tl.constexpr = FP8_P_SHIFT if FP8 else 0
+    if FP8:
+        descale = DESCALE + (b.to(tl.int64) * (num_heads_q // group_size) + h_kv) * 3
+        if VARLEN:  # the sequence's own index
+            descale = DESCALE + (tl.load(SEQUENCE_ORDER + b).to(tl.int64) * (num_heads_q // group_size) + h_kv) * 3
+        scale_log2, softcap_scale = fp8_scores_scale(descale, scale_log2, softcap_scale)
 
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
                                                            seqlen_k, total_q, total_k, VARLEN)
@@ -249,19 +289,21 @@ def attention_forward_kernel(
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
                                       stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BOTH_EDGES,
-                                      SOFTCAP, DOT_PRECISION)
+                                      SOFTCAP, DOT_PRECISION, P_SHIFT)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
                                       stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, NO_EDGE, SOFTCAP,
-                                      DOT_PRECISION)
+                                      DOT_PRECISION, P_SHIFT)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
                                       seqlen_k, diag_lo, diag_hi, scale_log2, softcap_scale, softcap_log2,
                                       stride_kn, stride_vn, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, RIGHT_EDGE,
-                                      SOFTCAP, DOT_PRECISION)
+                                      SOFTCAP, DOT_PRECISION, P_SHIFT)
 
-    out, lse = finish(acc, l_i, m_i)
+    out, lse = finish(acc, l_i, m_i - P_SHIFT)
+    if FP8:
+        out = out * tl.load(descale + 2)
     o_ptrs = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + q_rows * stride_om + offs_dv[None, :]
     row_mask = offs_m[:, None] < seqlen_q
     if BLOCK_DV != HEAD_DIM_V:

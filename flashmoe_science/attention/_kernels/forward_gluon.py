@@ -32,17 +32,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .forward import BOTH_EDGES, NO_EDGE, RIGHT_EDGE, band_blocks, band_diagonals
+from .forward import BOTH_EDGES, FP8_P_SHIFT, NO_EDGE, RIGHT_EDGE, band_blocks, band_diagonals, fp8_scores_scale
 
 
 @gluon.jit
 def _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2, EDGES: gl.constexpr,
-             ROW_BOUNDS: gl.constexpr):
+             ROW_BOUNDS: gl.constexpr, P_SHIFT: gl.constexpr):
     """One key block of the online softmax in base 2 (as `forward.softmax_step`): returns the
     probabilities p, the new row sums and maxima, and alpha, the factor that rescales O. Masked
     blocks (EDGES) compare each score's key with its row's bounds (ROW_BOUNDS, as
     `forward.band_edge_mask`) or its diagonal with the band's (fewer registers a thread); unmasked
-    ones skip the compares."""
+    ones skip the compares. P_SHIFT: p is 2^P_SHIFT times the probabilities (FP8, as
+    `forward.softmax_step`)."""
     if EDGES != NO_EDGE:
         if ROW_BOUNDS:
             visible = offs_n[None, :] < (gl.minimum(offs_m + (diag_hi + 1), seqlen_k) - start_n)[:, None]
@@ -55,10 +56,12 @@ def _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, s
         s = gl.where(visible, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet keeps p = 0
-        p = gl.exp2(s * scale_log2 - m_sub[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         m_sub = m_new
+    if P_SHIFT != 0:
+        p = gl.exp2(s * scale_log2 - (m_sub - P_SHIFT)[:, None])
+    else:
         p = gl.exp2(s * scale_log2 - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
@@ -67,7 +70,7 @@ def _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, s
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqlen_k, diag_lo, diag_hi, scale_log2,
-                   ROW_BOUNDS: gl.constexpr):
+                   ROW_BOUNDS: gl.constexpr, P_SHIFT: gl.constexpr):
     """`_softmax` of the key block at start_n: masked on the band's edges, plain in [full_lo, full_hi).
     With ROW_BOUNDS, blocks right of the left edge compare with the right bound alone. Without
     (`_consume_tile` sets it for two consumers up to D = 128), one masked copy of the softmax
@@ -77,19 +80,19 @@ def _softmax_block(s, m_i, l_i, offs_m, offs_n, start_n, full_lo, full_hi, seqle
     if ROW_BOUNDS:
         if start_n >= full_hi:
             p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
-                                          scale_log2, RIGHT_EDGE, True)
+                                          scale_log2, RIGHT_EDGE, True, P_SHIFT)
         elif start_n < full_lo:
             p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
-                                          scale_log2, BOTH_EDGES, True)
+                                          scale_log2, BOTH_EDGES, True, P_SHIFT)
         else:
             p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
-                                          scale_log2, NO_EDGE, True)
+                                          scale_log2, NO_EDGE, True, P_SHIFT)
     elif (start_n < full_lo) | (start_n >= full_hi):
         p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
-                                      BOTH_EDGES, False)
+                                      BOTH_EDGES, False, P_SHIFT)
     else:
         p, l_i, m_i, alpha = _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2,
-                                      NO_EDGE, False)
+                                      NO_EDGE, False, P_SHIFT)
     return p, l_i, m_i, alpha
 
 
@@ -136,10 +139,14 @@ def _scores(q, k, s_init, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(desc, smem, bars, stage, b, h_kv, start_n):
-    """TMA copy of the K or V tile starting at key start_n into buffer `stage`."""
+def _load_tile(desc, smem, bars, stage, b, h_kv, start_n, KEYS_LAST: gl.constexpr = False):
+    """TMA copy of the K or V tile starting at key start_n into buffer `stage`; KEYS_LAST: of a
+    (batch, head, head_dim, seq) tensor (FP8's V, transposed)."""
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [b, h_kv, start_n, 0], bars.index(stage), smem.index(stage))
+    if KEYS_LAST:
+        tma.async_copy_global_to_shared(desc, [b, h_kv, 0, start_n], bars.index(stage), smem.index(stage))
+    else:
+        tma.async_copy_global_to_shared(desc, [b, h_kv, start_n, 0], bars.index(stage), smem.index(stage))
 
 
 @gluon.jit
@@ -177,7 +184,7 @@ def _schedule(rounds_done, num_tiles):
 def _produce_tile(tile, it, tile_iter, desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                   k_empty, v_ready, v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads,
                   section, diag_lo, diag_hi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, FP8: gl.constexpr):
     """Copies one tile's Q and K/V blocks in the consumers' order; `it` counts buffer uses across
     tiles, so the next tile's first blocks load while the consumers finish this one. Returns the
     count after this tile."""
@@ -192,7 +199,7 @@ def _produce_tile(tile, it, tile_iter, desc_q, desc_k, desc_v, q_smem, k_smem, v
         if j == 0:  # Q after the first K block: that copy is under way while Q's buffers free up
             _load_q(desc_q, q_smem, q_ready, q_empty, b, h, tile_row, tile_iter, BLOCK_M, NUM_CONSUMERS)
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        _load_tile(desc_v, v_smem, v_ready, stage, b, h_kv, lo + j * BLOCK_N)
+        _load_tile(desc_v, v_smem, v_ready, stage, b, h_kv, lo + j * BLOCK_N, FP8)
     if num_blocks == 0:
         _load_q(desc_q, q_smem, q_ready, q_empty, b, h, tile_row, tile_iter, BLOCK_M, NUM_CONSUMERS)
     return it + num_blocks
@@ -202,7 +209,7 @@ def _produce_tile(tile, it, tile_iter, desc_q, desc_k, desc_v, q_smem, k_smem, v
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, window_left,
               window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
+              CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, FP8: gl.constexpr):
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
     if PERSISTENT:
         num_tiles = batch_heads * num_m_blocks
@@ -213,37 +220,83 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, 
                 it = _produce_tile(tile, it, rounds_done, desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready,
                                    q_empty, k_ready, k_empty, v_ready, v_empty, num_heads_q, group_size, seqlen_q,
                                    seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, BLOCK_M, BLOCK_N,
-                                   NUM_STAGES, CAUSAL, NUM_CONSUMERS)
+                                   NUM_STAGES, CAUSAL, NUM_CONSUMERS, FP8)
     else:
         _produce_tile(gl.program_id(0), 0, 0, desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty,
                       k_ready, k_empty, v_ready, v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
-                      batch_heads, section, diag_lo, diag_hi, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS)
+                      batch_heads, section, diag_lo, diag_hi, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS,
+                      FP8)
 
 
 @gluon.jit
-def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+def _value_operand(v_smem, stage, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, FP8: gl.constexpr):
+    """The V tile of buffer `stage` as the P V product's (BLOCK_N, BLOCK_DV) operand. FP8 products
+    read both operands K-major: FP8's V tiles are stored transposed and read through a permuted view."""
+    if FP8:
+        operand = v_smem.index(stage).reshape([BLOCK_DV, BLOCK_N]).permute((1, 0))
+    else:
+        operand = v_smem.index(stage).reshape([BLOCK_N, BLOCK_DV])
+    return operand
+
+
+@gluon.jit
+def _p_operand(p32, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               FP8: gl.constexpr):
+    """P as the P V product's register operand. 16-bit: each thread's accumulator values are
+    already its operand values. FP8: an operand register holds four consecutive keys where the
+    accumulator holds pairs 8 keys apart, so the keys are taken in the order the registers hold
+    them (within each 16: key 8h + 2c + e is operand column 4c + 2h + e) and V's keys are stored
+    in that order too (`fp8.fp8_value_tiles`): the conversion stays inside each thread."""
+    p = p32.to(dtype)
+    if FP8:
+        p = p.reshape([BLOCK_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([BLOCK_M, BLOCK_N])
+    return gl.convert_layout(p, p_layout)
+
+
+@gluon.jit
+def _wait_pv(o_tok, p, FP8: gl.constexpr):
+    """(O, P) once the P V product is done. P, read from registers by the product, is one of the
+    wait's dependencies, which keeps the compiler from reusing its registers before then; Triton
+    3.6 cannot tie 8-bit registers to the wait, so FP8's P is left to ptxas, which tracks the
+    registers of an asynchronous wgmma itself (it serialises the products where it cannot)."""
+    if FP8:
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+    else:
+        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+    return acc, p
+
+
+@gluon.jit
+def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                   k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
                   seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
                   BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-                  NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr):
+                  NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr, FP8: gl.constexpr):
     """Consumer C's rows [C * BLOCK_M, (C + 1) * BLOCK_M) of one tile; `it` counts buffer uses
     across tiles (returned after this tile). It computes only the key blocks its own rows meet,
     gives the tile's others back unread, and releases each K and V buffer as soon as its own
-    product has read it."""
+    product has read it. FP8: descaled per (batch, KV head) from DESCALE, as
+    `forward.attention_forward_kernel`."""
     gl.static_assert(BLOCK_M == 16 * gl.num_warps(), "each warp holds 16 query rows")
+    INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's K: 32 bytes of each operand row
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                       instr_shape=[16, BLOCK_DV, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, BLOCK_DV, INSTR_K])
+    # P is an operand in registers: 32 bits of consecutive keys a thread, two 16-bit or four 8-bit.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = desc_o.dtype
+    dtype: gl.constexpr = q_smem.dtype  # the products' inputs, P's among them
+    P_SHIFT: gl.constexpr = FP8_P_SHIFT if FP8 else 0
 
     ROW_BOUNDS: gl.constexpr = (NUM_CONSUMERS == 2) & (BLOCK_DV <= 128)  # where registers allow (`_softmax_block`)
     b, h, h_kv, pid_m = _tile_coordinates(tile, num_heads_q, group_size, num_m_blocks, batch_heads, section, CAUSAL)
+    if FP8:
+        descale = DESCALE + (b.to(gl.int64) * (num_heads_q // group_size) + h_kv) * 3
+        scale_log2, _ = fp8_scores_scale(descale, scale_log2, 0.0)
     tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
     first_row = tile_row + C * BLOCK_M
     lo, num_blocks = _tile_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
@@ -277,8 +330,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(use % NUM_STAGES), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + first * BLOCK_N, full_lo, full_hi,
-                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS)
-        p = gl.convert_layout(p32.to(dtype), p_layout)
+                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS, P_SHIFT)
+        p = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
 
     for j in range(first + 1, last):
         stage = (it + j) % NUM_STAGES
@@ -286,37 +339,40 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
         mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
         s_tok = _scores(q, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]), s_init, HEAD_DIM, BLOCK_D)
         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
-        o_tok = warpgroup_mma(p, v_smem.index(prev).reshape([BLOCK_N, BLOCK_DV]), acc, is_async=True)
+        o_tok = warpgroup_mma(p, _value_operand(v_smem, prev, BLOCK_N, BLOCK_DV, FP8), acc, is_async=True)
         # S_j is done when at most the P V product is in flight: its softmax overlaps that product.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + j * BLOCK_N, full_lo, full_hi,
-                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS)
-        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+                                              seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS, P_SHIFT)
+        acc, p = _wait_pv(o_tok, p, FP8)
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        p = gl.convert_layout(p32.to(dtype), p_layout)
+        p = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     if SEPARATE_O:  # Q is read by the S products only, all complete: the next tile's may load
         mbarrier.arrive(q_empty.index(C), count=1)
 
     if last > first:
         use = it + last - 1
         mbarrier.wait(v_ready.index(use % NUM_STAGES), (use // NUM_STAGES) & 1)
-        o_tok = warpgroup_mma(p, v_smem.index(use % NUM_STAGES).reshape([BLOCK_N, BLOCK_DV]), acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        o_tok = warpgroup_mma(p, _value_operand(v_smem, use % NUM_STAGES, BLOCK_N, BLOCK_DV, FP8), acc,
+                              is_async=True)
+        acc, p = _wait_pv(o_tok, p, FP8)
         mbarrier.arrive(v_empty.index(use % NUM_STAGES), count=1)
 
     # Rows that saw no key have l = 0: output exactly 0 and lse -inf (`forward.finish`).
     l_o = gl.convert_layout(l_i, rows_o)
     out = gl.where((l_o == 0.0)[:, None], 0.0, acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None])
+    if FP8:
+        out = out * gl.load(descale + 2)
     o_buf = o_smem.index(C)
     if SEPARATE_O:
         tma.store_wait(0)  # the previous tile's store has read the buffer
-    o_buf.reshape([BLOCK_M, BLOCK_DV]).store(out.to(dtype))
+    o_buf.reshape([BLOCK_M, BLOCK_DV]).store(out.to(desc_o.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [b, h, first_row, 0], o_buf)
     if WRITE_LSE:
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        lse = (m_i - P_SHIFT + gl.log2(l_i)) * 0.6931471805599453
         lse_ptrs = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_m
         gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
     if not SEPARATE_O:  # O went out through Q's buffer: free it once the store has read it
@@ -329,13 +385,13 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, q_smem, o_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+def _consumer(desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
               batch_heads, section, window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               WRITE_LSE: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              PERSISTENT: gl.constexpr, FP8: gl.constexpr):
     diag_lo, diag_hi = band_diagonals(seqlen_q, seqlen_k, window_left, window_right)
     if PERSISTENT:
         num_tiles = batch_heads * num_m_blocks
@@ -343,27 +399,27 @@ def _consumer(desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_r
         for rounds_done in range(gl.cdiv(num_tiles, gl.num_programs(0))):
             tile = _schedule(rounds_done, num_tiles)
             if tile < num_tiles:
-                it = _consume_tile(tile, it, rounds_done, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready,
+                it = _consume_tile(tile, it, rounds_done, desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready,
                                    q_empty, k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh,
                                    num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
                                    diag_lo, diag_hi, C, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES,
-                                   CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
+                                   CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, FP8)
     else:
-        _consume_tile(gl.program_id(0), 0, 0, desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
+        _consume_tile(gl.program_id(0), 0, 0, desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                       k_ready, k_empty, v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size,
                       seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, diag_lo, diag_hi, C, BLOCK_M, BLOCK_N,
-                      HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O)
+                      HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O, FP8)
     tma.store_wait(0)
 
 
 @gluon.jit
 def attention_forward_gluon_kernel(
-    desc_q, desc_k, desc_v, desc_o, LSE,
+    desc_q, desc_k, desc_v, desc_o, LSE, DESCALE,
     scale_log2, stride_lb, stride_lh,
     num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-    NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr, PERSISTENT: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr, SEPARATE_O: gl.constexpr, PERSISTENT: gl.constexpr, FP8: gl.constexpr,
 ):
     """num_warps = 4 (the first consumer), NUM_CONSUMERS - 1 more four-warp consumers and a one-warp
     producer; NUM_CONSUMERS * BLOCK_M query rows per tile of `_tile_coordinates`' order. PERSISTENT:
@@ -373,17 +429,26 @@ def attention_forward_gluon_kernel(
     for two, 160 each for three). With SEPARATE_O the output leaves through its own buffers, so the
     next tile's Q loads while this one's last products run; without it (where shared memory is
     short) through Q's. Q and K tiles span BLOCK_D columns (HEAD_DIM of them real), V and O tiles
-    BLOCK_DV (v's head dim, which may differ: MLA; O then leaves through its own buffers)."""
+    BLOCK_DV (v's head dim, which may differ: MLA; O then leaves through its own buffers).
+
+    FP8: Q, K and V in float8 e4m3 (desc_v over V transposed, (batch, head, head_dim, seq), so that
+    both products read K-major tiles), DESCALE the float32 (batch, heads_kv, 3) descales of
+    `forward.attention_forward_kernel`, O 16-bit through its own buffers. Otherwise DESCALE is
+    never read."""
     gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
     gl.static_assert(SEPARATE_O | (BLOCK_DV == BLOCK_D), "O reuses Q's buffers only at Q's width")
+    gl.static_assert(SEPARATE_O | (not FP8), "FP8's 16-bit O needs buffers of its own")
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_D], desc_q.layout)
     if SEPARATE_O:
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_DV], desc_o.layout)
+        o_smem = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, 1, 1, BLOCK_M, BLOCK_DV], desc_o.layout)
     else:
         o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_D], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_DV], desc_v.layout)
+    if FP8:
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_DV, BLOCK_N], desc_v.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, BLOCK_DV], desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -402,38 +467,40 @@ def attention_forward_gluon_kernel(
     # Partition arguments are spelled out: a tuple built with + loses its constexprs.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
-                         PERSISTENT)),
-            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         PERSISTENT, FP8)),
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
-                         PERSISTENT)),
+                         PERSISTENT, FP8)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
-                         window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
+                         window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT,
+                         FP8)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
-                         PERSISTENT)),
-            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         PERSISTENT, FP8)),
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
-                         PERSISTENT)),
-            (_consumer, (desc_o, LSE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         PERSISTENT, FP8)),
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
                          num_m_blocks, batch_heads, section, window_left, window_right, 2, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
-                         PERSISTENT)),
+                         PERSISTENT, FP8)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks, batch_heads, section,
-                         window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT)),
+                         window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, NUM_CONSUMERS, PERSISTENT,
+                         FP8)),
         ], [4, 4, 1], [160, 160, 24])

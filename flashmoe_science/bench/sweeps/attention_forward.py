@@ -86,6 +86,56 @@ GLUON_CANDIDATES = {64: [(128, 128, 2), (128, 128, 3), (192, 128, 2), (192, 128,
                     256: [(128, 64, 2), (128, 32, 3)]}
 
 
+# The Gluon kernel's FP8 candidates (`configs.GLUON_FP8_FORWARD`): tiles of half the bytes leave
+# room for more stages or wider key blocks than the 16-bit ones.
+GLUON_FP8_CANDIDATES = {64: [(128, 128, 2), (128, 128, 4), (192, 128, 2), (128, 256, 2)],
+                        128: [(128, 128, 2), (128, 128, 4), (192, 64, 3), (192, 128, 2)],
+                        256: [(128, 64, 2), (128, 64, 3), (128, 128, 2)]}
+
+
+def fp8_sweep(args, device):
+    """The Gluon kernel's FP8 candidates (persistent or not as `configs.gluon_persistent` ships)
+    against our bf16 forward as the dispatcher runs it, on the throughput shapes (inputs from
+    `fp8_attention_inputs`); errors relative to the bf16 output."""
+    from ...attention import flash_attention_science, fp8_attention_inputs
+    from ...attention.configs import gluon_persistent
+    from ...attention.fp8 import fp8_descales
+
+    rows = []
+    for head_dim, seqlen, causal, window in args.progress(_sweep_cases(args), desc="attention fp8 sweep"):
+        heads, batch = HIDDEN // head_dim, max(1, TOKENS // seqlen)
+        q, k, v = make_inputs(batch, heads, seqlen, head_dim, torch.bfloat16, device)
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, "fwd", window)
+        fp8 = fp8_attention_inputs(q, k, v)
+        descales = fp8_descales(**fp8, softmax_scale=None)
+        reference = flash_attention_science(q, k, v, causal=causal, window_size=window)
+        t = time_gpu(lambda: flash_attention_science(q, k, v, causal=causal, window_size=window), warmup_ms=5,
+                     rep_ms=25, repeats=1)
+        rows.append(_sweep_row("fp8_sweep", head_dim, seqlen, causal, window, impl="ours bf16", ms=t.median_ms,
+                               tflops=flops / (t.median_ms * 1e-3) / 1e12))
+        persistent = gluon_persistent(causal, seqlen)
+        for bm, bn, stages in GLUON_FP8_CANDIDATES.get(head_dim, []):
+            cfg = AttentionConfig(bm, bn, 4, stages)
+            row = _sweep_row("fp8_sweep", head_dim, seqlen, causal, window,
+                             impl=f"gluon fp8 {bm}x{bn} s{stages}{'' if persistent else ' grid=tiles'}")
+
+            def call():
+                return attention_forward_hopper(fp8["q"], fp8["k"], fp8["v"], causal, head_dim ** -0.5, cfg,
+                                                gluon=True, persistent=persistent, window_size=window,
+                                                descales=descales)
+            try:
+                out, _ = call()
+                t = time_gpu(call, warmup_ms=5, rep_ms=25, repeats=1)
+            except Exception as exc:
+                row.update(error=f"{type(exc).__name__}: {exc}"[:200])
+            else:
+                row.update(ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12,
+                           rel_err_vs_bf16=rel_error(out, reference))
+            rows.append(row)
+        args.checkpoint(rows)
+    return rows
+
+
 def hopper_sweep(args, device):
     """The Hopper TMA kernel and the Gluon kernel against the generic kernel's shipped
     configuration, on the throughput shapes; errors are relative to the generic output."""

@@ -18,33 +18,21 @@ H and I are multiples of GROUP (the launcher checks), so no K or N mask is neede
 import triton
 import triton.language as tl
 
+from ... import float8
+from ...float8 import round_to_e4m3
 from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile
 from .offsets import wide_offset
 
-FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
+FP8_MAX = tl.constexpr(float8.FP8_MAX)
 # The smallest scale: a row group of zeros (or a padding row) quantises to zeros, never 0 / 0.
 MIN_SCALE = tl.constexpr(1e-12)
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (|v| <= FP8_MAX) rounded to the nearest e4m3 value, ties to even, in fp32: the grid step
-    is 2^(e - 3) for |v| in [2^e, 2^(e + 1)), 2^-9 below 2^-6 (subnormals). Converting the result
-    to FP8 is then exact; rounding here rather than in the conversion gives the same values on
-    every GPU and in Triton's interpreter, whose conversion drops the carry into the exponent
-    (124.3 -> 64)."""
-    step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0) - 3.0)
-    r = v / step
-    nearest = tl.floor(r + 0.5)
-    tie_to_odd = (nearest - r == 0.5) & (nearest - 2.0 * tl.floor(nearest * 0.5) == 1.0)
-    return tl.where(tie_to_odd, nearest - 1.0, nearest) * step
 
 
 @triton.jit
 def _quantize_rows(values, FP8_DTYPE: tl.constexpr):
     """(values / s in FP8, s) with s = max |value| of each row / FP8_MAX."""
     scale = tl.maximum(tl.max(tl.abs(values), axis=1) / FP8_MAX, MIN_SCALE)
-    return _round_to_e4m3(values / scale[:, None]).to(FP8_DTYPE), scale
+    return round_to_e4m3(values / scale[:, None]).to(FP8_DTYPE), scale
 
 
 @triton.jit
