@@ -171,7 +171,7 @@ def _gluon_builds():
 
 def _gluon_fp8_builds():
     """The Gluon forward's FP8 builds (`configs.GLUON_FP8_FORWARD`), plain and causal: e4m3 Q, K
-    and V^T tiles (head_dim x keys), bf16 O."""
+    and V^T tiles (head_dim x keys), bf16 O; and the copy of V they read, per head dim."""
     from triton.experimental.gluon import language as gl
 
     from ._kernels.forward_gluon import attention_forward_gluon_kernel
@@ -180,7 +180,15 @@ def _gluon_fp8_builds():
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], dtype)
         return f"tensordesc<{name}[1,1,{rows},{cols}],{layout!r}>"
 
+    from ._kernels.value_tiles import fp8_value_tiles_kernel
+    from .fp8 import VALUE_TILE_KEYS
+
     for block_d, cfg in GLUON_FP8_FORWARD.items():
+        sig = {n: "i32" for n in fp8_value_tiles_kernel.arg_names}
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_S=VALUE_TILE_KEYS)
+        sig.update(V="*u8", OUT="*u8", **{n: "constexpr" for n in constexprs})
+        yield KernelBuild(label=f"attention_fp8_value_tiles D={block_d}", fn=fp8_value_tiles_kernel, signature=sig,
+                          constexprs=constexprs, num_warps=4, num_stages=1, aligned=("OUT", "padded"))
         rows, consumers = gluon_forward_tiles(cfg)
         for causal, persistent in ((False, True), (True, True), (True, False)):
             sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}

@@ -5,7 +5,8 @@
 their descale are the real ones. Both products run on the FP8 tensor cores with fp32
 accumulation; the output is bf16 and lse is returned as usual. Which kernel runs is the forward's
 choice (`forward.py`): on sm90 the Gluon kernel, whose FP8 products read V transposed, its keys
-in the order P's registers hold them (`fp8_value_tiles`, a copy of v per call); on sm89 and in
+in the order P's registers hold them (`fp8_value_tiles`, a copy of v per call, by a kernel of its
+own); on sm89 and in
 Triton's CPU interpreter the generic kernel. The kernels' side of the descales,
 and how P is quantised, is described at `_kernels/forward.attention_forward_kernel`.
 
@@ -26,7 +27,9 @@ import functools
 import torch
 
 from ..float8 import FP8_DTYPE, FP8_MAX, check_fp8_device
-from .configs import FP8_MIN_HEAD_DIM
+from ..launch import KernelLauncher
+from ._kernels.value_tiles import KEY_GROUP, fp8_value_tiles_kernel
+from .configs import FP8_MIN_HEAD_DIM, head_dim_block
 
 # The output dtype of FP8 attention (FlashAttention-3's).
 FP8_OUT_DTYPE = torch.bfloat16
@@ -84,26 +87,26 @@ def fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale) -> tor
 
 
 # The sm90 kernel's FP8 P V product reads V keys-last in groups of this many keys (`fp8_value_tiles`).
-VALUE_KEY_GROUP = 16
+VALUE_KEY_GROUP = KEY_GROUP.value
+VALUE_TILE_KEYS = 64  # keys a program of the copy moves
+_VALUE_TILES = KernelLauncher("attention_fp8_value_tiles", fp8_value_tiles_kernel)
 
 
 def fp8_value_tiles(v: torch.Tensor) -> torch.Tensor:
-    """v (B, Hkv, Sk, D) in FP8 as the sm90 kernel's FP8 P V product reads it: (B, Hkv, D, Sk')
-    with the keys the unit-stride dimension (FP8 products read both operands K-major), Sk' = Sk
-    padded with zero keys to a multiple of 16, and within each 16 keys the order in which P's
-    registers hold them (`forward_gluon._p_operand`): position 4c + 2h + e holds key 8h + 2c + e.
-    One copy of v per call."""
+    """v (B, Hkv, Sk, D) in FP8, any strides, as the sm90 kernel's FP8 P V product reads it:
+    (B, Hkv, D, Sk') with the keys the unit-stride dimension (FP8 products read both operands
+    K-major), Sk' = Sk padded with zero keys to a multiple of 16, and within each 16 keys the
+    order in which P's registers hold them (`forward_gluon._p_operand`): position 4c + 2h + e
+    holds key 8h + 2c + e. One copy of v per call (`_kernels/value_tiles.py`)."""
     batch, heads, seqlen, head_dim = v.shape
     padded = -(-seqlen // VALUE_KEY_GROUP) * VALUE_KEY_GROUP
-    if padded != seqlen:
-        source = torch.zeros((batch, heads, padded, head_dim), dtype=v.dtype, device=v.device)
-        source[:, :, :seqlen].copy_(v)
-    else:
-        source = v
     out = torch.empty((batch, heads, head_dim, padded), dtype=v.dtype, device=v.device)
-    groups = padded // VALUE_KEY_GROUP
-    out.view(batch, heads, head_dim, groups, 4, 2, 2).copy_(
-        source.unflatten(2, (groups, 2, 4, 2)).permute(0, 1, 6, 2, 4, 3, 5))
+    if out.numel():
+        source = v.view(torch.uint8)  # bytes: the copy converts nothing
+        _VALUE_TILES.launch(None, (batch * heads, -(-padded // VALUE_TILE_KEYS), 1),
+                            (source, out.view(torch.uint8), *source.stride(), heads, seqlen, padded, head_dim,
+                             head_dim_block(head_dim), VALUE_TILE_KEYS),
+                            num_warps=4, num_stages=1, device_index=v.device.index if v.is_cuda else None)
     return out
 
 

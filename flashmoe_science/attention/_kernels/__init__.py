@@ -19,4 +19,5 @@ GPU); these files hold the algorithms.
   query heads of a KV head packed into one tile, their combine, and the cache append.
 - `lengths.py`: the device-side check of packed cumulative lengths (`varlen.poison_if_malformed`).
 - `tiles.py`: masked tile loads shared by the Triton kernels.
+- `value_tiles.py`: the FP8 forward's copy of V, keys-last in P's register order.
 """
