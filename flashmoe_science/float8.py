@@ -39,3 +39,14 @@ def round_to_e4m3(v):
     nearest = tl.floor(r + 0.5)
     tie_to_odd = (nearest - r == 0.5) & (nearest - 2.0 * tl.floor(nearest * 0.5) == 1.0)
     return tl.where(tie_to_odd, nearest - 1.0, nearest) * step
+
+
+@triton.jit
+def to_e4m3(v):
+    """v (fp32, |v| <= 448 or NaN) as float8 e4m3, rounded to nearest even, NaN kept NaN: the
+    GPU's conversion, or under Triton's interpreter `round_to_e4m3` and NaN's bits set by hand
+    (the interpreter's conversion gets both wrong)."""
+    if SOFTWARE_FP8_ROUNDING:
+        bits = round_to_e4m3(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return tl.where(v == v, bits, 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return v.to(tl.float8e4nv)

@@ -277,3 +277,136 @@ def test_fp8_gpu_outliers_with_rotation_closer_to_bf16():
     rmse_bf16 = (bf16.double() - ref).pow(2).mean().sqrt().item()
     assert rmse[True] <= rmse[False] * 1.05
     assert rmse[True] < 30 * rmse_bf16
+
+
+# ---- FP8 KV caches: flash_attention_with_kvcache reading e4m3 caches with q in 16 or 32 bits ----
+
+def _quantized_cache(cache, per_token):
+    """(e4m3 cache, descale): the 16/32-bit cache (B, S, Hkv, D) quantised with one descale per
+    (sequence, KV head), or per (sequence, token, KV head)."""
+    amax = cache.abs().amax(dim=-1) if per_token else cache.abs().amax(dim=(1, 3))
+    descale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).float()
+    expand = descale[..., None] if per_token else descale[:, None, :, None]
+    return (cache / expand).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), descale
+
+
+def _dequantized(cache8, descale, per_token):
+    return cache8.double() * (descale.double()[..., None] if per_token else descale.double()[:, None, :, None])
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_head", "per_token"])
+@pytest.mark.parametrize("paged_cache", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kv_cache_matches_reference_and_appends(per_token, paged_cache, num_splits, device):
+    from flashmoe_science import flash_attention_with_kvcache
+    from test_attention_decode import reference
+
+    B, Sq, Hq, Hkv, D, capacity, new = 2, 2, 4, 2, 32, 64, 2
+    lengths = [17, 45]
+    q = torch.randn(B, Sq, Hq, D, device=device)
+    k_full, v_full = (torch.randn(B, capacity, Hkv, D, device=device) for _ in range(2))
+    k_new, v_new = (torch.randn(B, new, Hkv, D, device=device) * 3 for _ in range(2))
+    (k8, kd), (v8, vd) = _quantized_cache(k_full, per_token), _quantized_cache(v_full, per_token)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if paged_cache:
+        page = 16
+        order = torch.randperm(B * capacity // page, device=device)
+        table = order.view(B, -1).to(torch.int32)
+
+        def to_pages(t):
+            out = torch.empty((B * capacity // page, page, *t.shape[2:]), dtype=t.dtype, device=device)
+            out[order] = t.reshape(-1, page, *t.shape[2:])
+            return out
+
+        k_cache, v_cache = to_pages(k8), to_pages(v8)
+        k_descale, v_descale = (to_pages(d) if per_token else d for d in (kd, vd))
+    else:
+        table = None
+        k_cache, v_cache, k_descale, v_descale = k8.clone(), v8.clone(), kd.clone(), vd.clone()
+    out, lse = flash_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                            block_table=table, k_descale=k_descale, v_descale=v_descale,
+                                            num_splits=num_splits, return_lse=True)
+
+    # the appended tokens, quantised as the kernel must: bit for bit
+    def back(t):  # pages back to the contiguous layout
+        return t[table.flatten().long()].reshape(B, capacity, *t.shape[2:]) if paged_cache else t
+
+    k_now, v_now = back(k_cache), back(v_cache)
+    kd_now, vd_now = (back(d) if per_token else d for d in (k_descale, v_descale))
+    for cache8, now, descale, fresh in ((k8, k_now, kd_now, k_new), (v8, v_now, vd_now, v_new)):
+        for b, n in enumerate(lengths):
+            if per_token:
+                amax = fresh[b].abs().amax(dim=-1)
+                scale = torch.clamp(amax / FP8_MAX, min=1e-12)
+                assert torch.allclose(descale[b, n:n + new], scale, rtol=1e-6)
+                want = (fresh[b] / scale[..., None]).to(FP8_DTYPE)
+            else:
+                want = (fresh[b] / descale[b][None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            assert torch.equal(now[b, n:n + new].view(torch.uint8), want.view(torch.uint8))
+            assert torch.equal(now[b, :n].view(torch.uint8), cache8[b, :n].view(torch.uint8))  # untouched
+    # the attention: against float64 of the dequantised cache, new tokens included
+    k_real, v_real = _dequantized(k_now, kd_now, per_token), _dequantized(v_now, vd_now, per_token)
+    ref_out, ref_lse = reference(q, k_real, v_real, [n + new for n in lengths])
+    assert rel(out, ref_out) < 1e-5
+    assert torch.allclose(lse, ref_lse, atol=1e-5)
+
+
+def test_fp8_kv_cache_saturates_new_values_and_keeps_nan(device):
+    from flashmoe_science import flash_attention_with_kvcache
+
+    q = torch.randn(1, 1, 2, 32, device=device)
+    k_cache, v_cache = (torch.zeros(1, 32, 2, 32, device=device).to(FP8_DTYPE) for _ in range(2))
+    descale = torch.ones(1, 2, device=device)
+    k_new = torch.randn(1, 1, 2, 32, device=device)
+    k_new[0, 0, 0, 0], k_new[0, 0, 0, 1], k_new[0, 0, 1, 0] = 1e4, -math.inf, math.nan
+    flash_attention_with_kvcache(q, k_cache, v_cache, k_new, torch.zeros_like(k_new), cache_seqlens=3,
+                                 k_descale=descale, v_descale=descale)
+    assert k_cache[0, 3, 0, 0].float() == FP8_MAX  # finite beyond e4m3's range: saturated
+    assert torch.isnan(k_cache[0, 3, 0, 1].float()) and torch.isnan(k_cache[0, 3, 1, 0].float())
+
+
+def test_fp8_kv_cache_descale_errors(device):
+    from flashmoe_science import flash_attention_with_kvcache
+
+    q = torch.randn(2, 1, 4, 32, device=device)
+    k_cache, v_cache = (torch.zeros(2, 16, 2, 32, device=device).to(FP8_DTYPE) for _ in range(2))
+    good = torch.ones(2, 2, device=device)
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(2, 2\) \(per sequence and KV head\) or "
+                                         r"\(2, 16, 2\)"):
+        flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, k_descale=torch.ones(2, device=device),
+                                     v_descale=good)
+    with pytest.raises(TypeError, match="both descales given, or neither"):
+        flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, k_descale=good)
+    with pytest.raises(TypeError, match="k_descale must be float32"):
+        flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, k_descale=good.double(),
+                                     v_descale=good)
+    with pytest.raises(ValueError, match="applies to FP8 caches only"):
+        flash_attention_with_kvcache(q, k_cache.float(), v_cache.float(), cache_seqlens=4, k_descale=good,
+                                     v_descale=good)
+    with pytest.raises(ValueError, match="must share one dtype"):
+        flash_attention_with_kvcache(q, k_cache, v_cache.float(), cache_seqlens=4)
+    with pytest.raises(TypeError, match="q must be fp16, bf16 or fp32|q has dtype"):
+        flash_attention_with_kvcache(q.to(FP8_DTYPE), k_cache, v_cache, cache_seqlens=4)
+    # no descales: the stored values are the real ones
+    out = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=4)
+    assert (out == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_token", [False, True])
+def test_fp8_kv_cache_gpu_bf16(per_token):
+    from flashmoe_science import flash_attention_with_kvcache
+    from test_attention_decode import reference
+
+    B, Hq, Hkv, D, capacity = 4, 32, 8, 128, 4096
+    lengths = [4000, 1, 2500, 4095]
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k_full, v_full = (torch.randn(B, capacity, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    (k8, kd), (v8, vd) = _quantized_cache(k_full, per_token), _quantized_cache(v_full, per_token)
+    k_new, v_new = (torch.randn(B, 1, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out = flash_attention_with_kvcache(q, k8, v8, k_new, v_new, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+    k_real, v_real = _dequantized(k8, kd, per_token), _dequantized(v8, vd, per_token)
+    ref_out, _ = reference(q, k_real, v_real, [n + 1 for n in lengths])
+    bf16_out, _ = reference(q, k_real.bfloat16(), v_real.bfloat16(), [n + 1 for n in lengths])
+    assert rel(out, ref_out) <= 2 * max(rel(bf16_out.bfloat16(), ref_out), 2e-3)

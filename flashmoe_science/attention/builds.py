@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from itertools import product
 
+from ..float8 import FP8_MIN_CAPABILITY
 from ..kernel_build import KernelBuild
 from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, GLUON_FP8_FORWARD, HOPPER_FORWARD, PREPROCESS_WARPS,
                       VALUE_HEAD_DIM_BLOCKS, BackwardConfig, backward_configs, decode_configs, dkdv_maxnreg,
@@ -69,28 +70,38 @@ def shipped_builds(capability: int):
                          "stride_oh", "stride_om"))
     yield from _hopper_builds(capability)
     yield from _backward_builds(capability)
-    yield from _decode_builds()
+    yield from _decode_builds(capability)
 
 
-def _decode_builds():
+def _decode_builds(capability: int):
     """The KV-cache kernels' builds: the split kernel per configuration, plain (a contiguous cache,
     an int length, partials for the combine kernel) and with every option on (paged, softcap, a
-    lengths tensor, one split writing the output and lse); the combine and append kernels per
-    dtype and head dim."""
-    from ._kernels.decode import attention_decode_combine_kernel, attention_decode_split_kernel, kv_cache_append_kernel
+    lengths tensor, one split writing the output and lse); where FP8 runs (sm89 and newer), the
+    16-bit configurations again on FP8 caches, per-head descales with the plain options and
+    per-token ones with every option; the combine and append kernels per dtype and head dim."""
+    from ._kernels.decode import (HEAD_SCALES, NO_SCALES, TOKEN_SCALES, attention_decode_combine_kernel,
+                                  attention_decode_split_kernel, kv_cache_append_kernel)
 
     ptr = {2: "*fp16", 4: "*fp32"}
+    fp8 = capability >= FP8_MIN_CAPABILITY
     for element_size, block_d, cfg in decode_configs():
-        for paged, softcap in ((False, False), (True, True)):
+        variants = [(False, False, NO_SCALES.value), (True, True, NO_SCALES.value)]
+        if fp8 and element_size == 2:
+            variants += [(False, False, HEAD_SCALES.value), (True, True, TOKEN_SCALES.value)]
+        for paged, softcap, scales in variants:
+            cache = "*fp8e4nv" if scales else ptr[element_size]
             sig = {name: "i32" for name in attention_decode_split_kernel.arg_names}
-            sig.update(Q=ptr[element_size], K=ptr[element_size], V=ptr[element_size], O_PART="*fp32",
+            sig.update(Q=ptr[element_size], K=cache, V=cache, O_PART="*fp32",
                        LSE_PART="*fp32", OUT=ptr[element_size], LSE="*fp32", CACHE_SEQLENS="*i32", CACHE_LEFTPAD="*i32",
-                       BLOCK_TABLE="*i32", scale_log2="fp32", softcap_scale="fp32", softcap_log2="fp32")
+                       BLOCK_TABLE="*i32", K_SCALE="*fp32", V_SCALE="*fp32", scale_log2="fp32", softcap_scale="fp32",
+                       softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               PAGE_SIZE=16 if paged else 0, SOFTCAP=softcap, LENGTHS_TENSOR=paged, SINGLE=paged,
-                              WRITE_LSE=paged)
+                              WRITE_LSE=paged, SCALES=scales)
             sig.update({name: "constexpr" for name in constexprs})
-            yield KernelBuild(label=f"attention_decode_split fp{8 * element_size} D={block_d} paged={paged} {cfg}",
+            cache_label = f" fp8 cache scales={scales}" if scales else ""
+            yield KernelBuild(label=f"attention_decode_split fp{8 * element_size}{cache_label} D={block_d} "
+                                    f"paged={paged} {cfg}",
                               fn=attention_decode_split_kernel, signature=sig, constexprs=constexprs,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                               aligned=("Q", "K", "V", "O_PART", "LSE_PART", "stride_qb", "stride_qm", "stride_qh",
@@ -104,12 +115,15 @@ def _decode_builds():
                           fn=attention_decode_combine_kernel, signature=sig, constexprs=constexprs,
                           num_warps=DECODE_COMBINE_WARPS,
                           num_stages=1, aligned=("O_PART", "LSE_PART", "OUT"))
-        sig = {name: "i32" for name in kv_cache_append_kernel.arg_names}
-        sig.update(NEW=ptr[element_size], CACHE=ptr[element_size], CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32")
-        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, PAGE_SIZE=16, LENGTHS_TENSOR=True)
-        sig.update({name: "constexpr" for name in constexprs})
-        yield KernelBuild(label=f"kv_cache_append fp{8 * element_size} D={block_d}", fn=kv_cache_append_kernel,
-                          signature=sig, constexprs=constexprs, num_warps=1, num_stages=1, aligned=("NEW", "CACHE"))
+        for scales in (NO_SCALES.value, TOKEN_SCALES.value) if fp8 else (NO_SCALES.value,):
+            sig = {name: "i32" for name in kv_cache_append_kernel.arg_names}
+            sig.update(NEW=ptr[element_size], CACHE="*fp8e4nv" if scales else ptr[element_size], CACHE_SEQLENS="*i32",
+                       BLOCK_TABLE="*i32", SCALE="*fp32")
+            constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, PAGE_SIZE=16, LENGTHS_TENSOR=True, SCALES=scales)
+            sig.update({name: "constexpr" for name in constexprs})
+            yield KernelBuild(label=f"kv_cache_append fp{8 * element_size}{' fp8 cache' if scales else ''} "
+                                    f"D={block_d}", fn=kv_cache_append_kernel, signature=sig, constexprs=constexprs,
+                              num_warps=1, num_stages=1, aligned=("NEW", "CACHE"))
 
 
 def _hopper_builds(capability: int):

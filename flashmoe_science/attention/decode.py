@@ -14,6 +14,10 @@ lse into a workspace sized from the shapes alone; a second kernel combines them.
 tile are the query rows of the heads that share a KV head (GQA packing), so K and V are read
 once per group. Nothing reads a device value on the host: the call can be captured in a CUDA
 graph and replayed with new cache_seqlens and block_table.
+
+FP8 caches (both in float8 e4m3, q 16-bit or fp32) halve the bytes a step reads, with descales
+per (sequence, KV head) or per cached token and KV head (`_cache_scales`); new keys and values
+are quantised as they are appended (`_kernels/decode.py`'s module docstring).
 """
 from __future__ import annotations
 
@@ -23,8 +27,10 @@ import numbers
 import torch
 
 from ..device import check_runnable, info_for
+from ..float8 import FP8_DTYPE, check_fp8_device
 from ..launch import KernelLauncher, PlanCache
-from ._kernels.decode import attention_decode_combine_kernel, attention_decode_split_kernel, kv_cache_append_kernel
+from ._kernels.decode import (HEAD_SCALES, NO_SCALES, TOKEN_SCALES, attention_decode_combine_kernel,
+                              attention_decode_split_kernel, kv_cache_append_kernel)
 from .checks import DTYPES, NO_WINDOW, check_band, check_bool, check_options, check_tensor
 from .configs import DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, decode_config, decode_splits, head_dim_block
 from .layouts import LOG2E, cdiv, kernel_window, positive_scale
@@ -48,10 +54,12 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_l
     check_runnable("q", q)
     cache_dims = "(batch, seqlen_k, heads_kv, head_dim), or paged (num_pages, page_size, heads_kv, head_dim)"
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, t, 4, cache_dims)
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, "
-                             f"{t.device}")
+        _check_tensor(name, t, 4, cache_dims, DTYPES + (FP8_DTYPE,))
+        if t.dtype not in (q.dtype, FP8_DTYPE) or t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}) with q's dtype ({q.dtype}) or "
+                             f"torch.float8_e4m3fn, got {t.dtype} on {t.device}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share one dtype, got {k_cache.dtype} and {v_cache.dtype}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
@@ -112,6 +120,54 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_l
                              f"{capacity} tokens per sequence")
 
 
+DESCALE_NAMES = ("k_descale", "v_descale")
+
+
+def _cache_scales(q, k_cache, k_descale, v_descale) -> tuple:
+    """(SCALES, k's descales, v's) of a call: (NO_SCALES, None, None) for a 16-bit or fp32 cache.
+    An FP8 cache's descales are float32, both None (1 for every sequence and head), both
+    (batch, heads_kv) (one per sequence and KV head) or both the cache's shape without its head
+    dim, (batch, seqlen_k, heads_kv) or paged (num_pages, page_size, heads_kv) (one per cached token
+    and KV head, written by appends)."""
+    given = (k_descale, v_descale)
+    if k_cache.dtype != FP8_DTYPE:
+        for name, t in zip(DESCALE_NAMES, given):
+            if t is not None:
+                raise ValueError(f"{name} applies to FP8 caches only (torch.float8_e4m3fn); the caches are "
+                                 f"{k_cache.dtype}")
+        return NO_SCALES, None, None
+    if q.dtype == FP8_DTYPE:
+        raise TypeError("q must be fp16, bf16 or fp32 against an FP8 cache (the cache is converted to q's dtype)")
+    check_fp8_device("FP8 KV caches", q)
+    batch, heads_kv = q.shape[0], k_cache.shape[2]
+    if k_descale is None and v_descale is None:
+        ones = torch.ones((batch, heads_kv), dtype=torch.float32, device=q.device)
+        return HEAD_SCALES, ones, ones
+    per_head, per_token = (batch, heads_kv), tuple(k_cache.shape[:3])
+    for name, t in zip(DESCALE_NAMES, given):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor (both descales given, or neither), got "
+                            f"{type(t).__name__}")
+        if t.dtype != torch.float32 or t.device != q.device:
+            raise TypeError(f"{name} must be float32 on q's device ({q.device}), got {t.dtype} on {t.device}")
+        if tuple(t.shape) not in (per_head, per_token) or t.shape != given[0].shape:
+            raise ValueError(f"{name} must have shape {per_head} (per sequence and KV head) or {per_token} (per "
+                             f"cached token and KV head), the same for both descales; got {tuple(t.shape)}")
+    if k_descale.stride() != v_descale.stride():
+        raise ValueError(f"k_descale and v_descale must have the same strides, got {tuple(k_descale.stride())} and "
+                         f"{tuple(v_descale.stride())}")
+    return (HEAD_SCALES if tuple(k_descale.shape) == per_head else TOKEN_SCALES), k_descale, v_descale
+
+
+def _scale_strides(descale) -> tuple:
+    """(stride_sb, stride_sn, stride_sh) the kernels take for a descale tensor (zeros without one)."""
+    if descale is None:
+        return 0, 0, 0
+    if descale.dim() == 2:
+        return descale.stride(0), 0, descale.stride(1)
+    return tuple(descale.stride())
+
+
 def _capacity(k_cache, block_table) -> int:
     """Tokens a sequence's cache holds: Sk_max, or pages per sequence times the page size."""
     return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
@@ -148,15 +204,16 @@ class DecodePlan:
 
 
 def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
-              num_splits, cache_leftpad=None):
+              num_splits, cache_leftpad=None, k_descale=None, v_descale=None):
     """What fixes a call's plan and every kernel specialisation (the launchers' cache key): shapes,
     strides, alignment, dtypes, devices and options; not the values of an int cache length."""
-    tensors = [t for t in (q, k_cache, v_cache, k, block_table, cache_leftpad) if t is not None]
+    tensors = [t for t in (q, k_cache, v_cache, k, block_table, cache_leftpad, k_descale, v_descale) if t is not None]
     if isinstance(cache_seqlens, torch.Tensor):
         tensors.append(cache_seqlens)
     return (tuple(t.shape for t in tensors), tuple(t.stride() for t in tensors),
-            tuple(t.data_ptr() % 16 for t in tensors), q.dtype, q.device, block_table is not None, k is not None,
-            cache_leftpad is not None, causal, window_size, softcap > 0, return_lse, num_splits)
+            tuple(t.data_ptr() % 16 for t in tensors), q.dtype, k_cache.dtype, q.device, block_table is not None,
+            k is not None, cache_leftpad is not None, k_descale is not None, causal, window_size, softcap > 0,
+            return_lse, num_splits)
 
 
 def _lengths(cache_seqlens, placeholder) -> tuple:
@@ -167,26 +224,31 @@ def _lengths(cache_seqlens, placeholder) -> tuple:
     return placeholder, int(cache_seqlens), False
 
 
-def _append(new, cache, cache_seqlens, block_table, plan, key):
+def _append(new, cache, cache_seqlens, block_table, plan, key, scales=NO_SCALES, descale=None):
+    """New keys or values into their cache (quantised with `descale` into an FP8 one, `scales` as
+    `_cache_scales` says)."""
     batch, seqlen_new, heads_kv, head_dim = new.shape
     if new.numel() == 0:
         return
     table = block_table if block_table is not None else cache
     lengths, cache_len, lengths_tensor = _lengths(cache_seqlens, cache)
     _APPEND.launch(key, (batch * seqlen_new, heads_kv, 1),
-                   (new, cache, lengths, table, *new.stride()[:3],
-                    *cache.stride()[:3], block_table.stride(0) if block_table is not None else 0, seqlen_new,
-                    cache_len, plan.capacity, cache.shape[0], head_dim, plan.block_d, plan.page_size, lengths_tensor),
+                   (new, cache, lengths, table, descale if descale is not None else new, *new.stride()[:3],
+                    *cache.stride()[:3], block_table.stride(0) if block_table is not None else 0,
+                    *_scale_strides(descale), seqlen_new, cache_len, plan.capacity, cache.shape[0], head_dim,
+                    plan.block_d, plan.page_size, lengths_tensor, scales),
                    num_warps=1, num_stages=1, device_index=plan.device_index)
 
 
 def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_seqlens, block_table, seqlen_new,
-                  softmax_scale, softcap, cache_leftpad=None) -> None:
+                  softmax_scale, softcap, cache_leftpad=None, scales=NO_SCALES, k_descale=None,
+                  v_descale=None) -> None:
     """Runs the split and combine kernels for a plan: writes out, shaped and laid out like q
     (B, Sq, Hq, D), and lse (B, Hq, Sq) unless None. `cache_seqlens` an int32 tensor or an int;
     `seqlen_new` new tokens already appended; `cache_leftpad` None or an int32 (B,) tensor. `key`
     (None: Triton's ordinary launch) must determine the plan, as `_plan_key` does (the forward's
-    dispatch passes its own plan key)."""
+    dispatch passes its own plan key). An FP8 cache passes its `scales` and descales
+    (`_cache_scales`)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     if q.numel() == 0:
         return
@@ -213,14 +275,15 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
     lse_arg, lse_strides = (lse, (lse.stride(0), lse.stride(1))) if write_lse else (lse_part, (0, 0))
     _SPLIT.launch(key, plan.split_grid,
                   (q, k_cache, v_cache, o_part, lse_part, out, lse_arg, lengths,
-                   cache_leftpad, table, scale * LOG2E,
+                   cache_leftpad, table, k_descale if scales else lse_part, v_descale if scales else lse_part,
+                   scale * LOG2E,
                    scale / softcap if softcap else 0.0, softcap * LOG2E, *q.stride()[:3], *k_cache.stride()[:3],
                    *v_cache.stride()[:3], *out.stride()[:3], *lse_strides,
-                   block_table.stride(0) if block_table is not None else 0, heads_kv,
+                   block_table.stride(0) if block_table is not None else 0, *_scale_strides(k_descale), heads_kv,
                    heads_q // heads_kv, seqlen_q, seqlen_new, cache_len, has_leftpad, plan.capacity,
                    k_cache.shape[0], plan.rows,
                    plan.rows_padded, plan.split_len, plan.num_splits, *plan.window, head_dim, plan.block_d,
-                   plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor, single, write_lse),
+                   plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor, single, write_lse, scales),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     if single:
         return
@@ -232,7 +295,7 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
                                  cache_leftpad=None, causal=True, softmax_scale=None, window_size=NO_WINDOW,
-                                 softcap=0.0, num_splits=0, return_lse=False):
+                                 softcap=0.0, num_splits=0, return_lse=False, k_descale=None, v_descale=None):
     """Attention of q against a KV cache, as flash-attn's `flash_attn_with_kvcache`.
 
     Args:
@@ -255,6 +318,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         num_splits: key ranges attended to by separate programs (0: chosen from the shapes and
             the SM count, never from cache_seqlens' values).
         return_lse: also return lse (B, Hq, Sq) float32.
+        k_descale, v_descale: an FP8 cache's descales (k_cache and v_cache in torch.float8_e4m3fn,
+            q fp16, bf16 or fp32; sm89 and newer): float32, both None (1), both (B, Hkv), one per
+            sequence and KV head (new values are divided by it and saturate at +-448 times it), or
+            both shaped as the cache without its head dim ((B, Sk_max, Hkv), or paged (num_pages,
+            page_size, Hkv)), one per cached token and KV head, which appends write for the new
+            tokens. The cache is converted to q's dtype as it is read.
 
     A cache length, left padding or page id out of range, which can only be seen on the device, makes that
     sequence's outputs NaN; nothing outside the caches is read or written. Not differentiable.
@@ -275,25 +344,26 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens or 0), dtype=torch.int32, device=q.device)
         out, lse = torch.ops.flashmoe_science.attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, softmax_scale,
-            window_size[0], window_size[1], float(softcap), int(num_splits))
+            window_size[0], window_size[1], float(softcap), int(num_splits), k_descale, v_descale)
         return (out, lse) if return_lse else out
     return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, softmax_scale,
-                         window_size, softcap, num_splits, return_lse)
+                         window_size, softcap, num_splits, return_lse, k_descale, v_descale)
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, softmax_scale,
-                  window_size, softcap, num_splits, return_lse):
+                  window_size, softcap, num_splits, return_lse, k_descale=None, v_descale=None):
     """`flash_attention_with_kvcache` after its checks: the plan, the append, the launches."""
+    scales, k_descale, v_descale = _cache_scales(q, k_cache, k_descale, v_descale)
     key = _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
-                    num_splits, cache_leftpad)
+                    num_splits, cache_leftpad, k_descale, v_descale)
     plan = PLANS.get(key) or PLANS.remember(key, DecodePlan(q, k_cache, block_table, causal, window_size,
                                                              num_splits))
     if k is not None:
-        _append(k, k_cache, cache_seqlens, block_table, plan, key)
-        _append(v, v_cache, cache_seqlens, block_table, plan, key)
+        _append(k, k_cache, cache_seqlens, block_table, plan, key, scales, k_descale)
+        _append(v, v_cache, cache_seqlens, block_table, plan, key, scales, v_descale)
     out = torch.empty_like(q)
     batch, seqlen_q, heads_q, _ = q.shape
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     launch_decode(plan, key, q, k_cache, v_cache, out, lse, cache_seqlens, block_table,
-                  0 if k is None else k.shape[1], softmax_scale, softcap, cache_leftpad)
+                  0 if k is None else k.shape[1], softmax_scale, softcap, cache_leftpad, scales, k_descale, v_descale)
     return (out, lse) if return_lse else out

@@ -120,18 +120,22 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
 
 
-@torch.library.custom_op("flashmoe_science::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("flashmoe_science::attention_with_kvcache",
+                         mutates_args=("k_cache", "v_cache", "k_descale", "v_descale"))
 def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                            cache_seqlens: Tensor, block_table: Optional[Tensor], cache_leftpad: Optional[Tensor],
                            causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
-                           softcap: float, num_splits: int) -> Tuple[Tensor, Tensor]:
+                           softcap: float, num_splits: int, k_descale: Optional[Tensor] = None,
+                           v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of `flash_attention_with_kvcache`; k and v, when given, are written into the
-    caches in place first. Not differentiable."""
+    caches in place first (an FP8 cache's per-token descales too). Not differentiable."""
     return decode._with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
-                                softmax_scale, (window_left, window_right), softcap, num_splits, True)
+                                softmax_scale, (window_left, window_right), softcap, num_splits, True, k_descale,
+                                v_descale)
 
 
 @attention_with_kvcache.register_fake
 def _attention_with_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
-                                 softmax_scale, window_left, window_right, softcap, num_splits):
+                                 softmax_scale, window_left, window_right, softcap, num_splits, k_descale=None,
+                                 v_descale=None):
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)

@@ -10,8 +10,10 @@ side's error against float64 on the first sequence. Where GRAPH_LAYERS caches of
 GRAPH_MAX_BYTES (the short and middle caches, where a call's time is latency rather than
 bandwidth), ours (contiguous) and SDPA's fastest backend are also timed as a serving framework
 runs them: one CUDA graph of GRAPH_LAYERS calls, each layer's against its own cache, replayed
-(`graph_us`: per layer, no host time and no launch gaps). Without a GPU: a tiny grid through the
-interpreter, errors only; `--quick`: the same tiny grid on the GPU too.
+(`graph_us`: per layer, no host time and no launch gaps). `ours_fp8_cache`: the contiguous cache
+in FP8 (e4m3, one descale per sequence and KV head), its time against the bf16 cache's and its
+own copy floor (half the bytes), its error against float64 of the bf16 cache. Without a GPU: a
+tiny grid through the interpreter, errors only; `--quick`: the same tiny grid on the GPU too.
 """
 from __future__ import annotations
 
@@ -58,6 +60,16 @@ def _sdpa(backend, q, k_cache, v_cache):
     with sdpa_kernel(backend):
         return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
                                                                 v_cache.transpose(1, 2), enable_gqa=True)
+
+
+def _descale(cache):
+    """One descale per (sequence, KV head) of a (B, Sk, Hkv, D) cache: its largest magnitude over e4m3's 448."""
+    amax = cache.abs().amax(dim=(1, 3)).float()
+    return torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+
+
+def _fp8_cache(cache):
+    return (cache.float() / _descale(cache)[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
 def _graph_us(call, caches, args) -> float:
@@ -112,7 +124,21 @@ def run(args, device) -> list[dict]:
                 t = timings[row["impl"]] = time_gpu(ours, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
                 row.update(us=t.median_ms * 1e3, floor_us=floor_ms * 1e3, copy_fraction=floor_ms / t.median_ms)
             ours_rows.append(row)
-        rows += ours_rows
+        # An FP8 (e4m3) copy of the contiguous cache, one descale per sequence and KV head: half the bytes.
+        k8, v8, k_descale, v_descale = _fp8_cache(k_cache), _fp8_cache(v_cache), _descale(k_cache), _descale(v_cache)
+
+        def ours_fp8():
+            return flash_attention_with_kvcache(q, k8, v8, cache_seqlens=lengths, k_descale=k_descale,
+                                                v_descale=v_descale)
+
+        fp8_row = dict(case, impl="ours_fp8_cache", rel_err=rel_error(ours_fp8()[:1].transpose(1, 2), ref))
+        if gpu and "ours" in timings:
+            t = time_gpu(ours_fp8, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
+            fp8_floor = floor_ms * k8.element_size() / k_cache.element_size()
+            ratio, lo, hi = speedup_interval(t, timings["ours"])
+            fp8_row.update(us=t.median_ms * 1e3, floor_us=fp8_floor * 1e3, copy_fraction=fp8_floor / t.median_ms,
+                           time_vs_bf16_cache=1 / ratio, time_vs_bf16_cache_ci=[1 / hi, 1 / lo])
+        rows += ours_rows + [fp8_row]
         if not gpu:
             continue
         best = None

@@ -111,7 +111,8 @@ def _graph_cell(ours, sdpa) -> str:
 
 def _attention_decode(rows) -> str:
     out = ["| B | Sk | Hq / Hkv / D | ours | paged 16 | paged 256 | SDPA best | floor | copy share | "
-           "SDPA / ours | CUDA graph: ours / SDPA µs |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "SDPA / ours | CUDA graph: ours / SDPA µs | FP8 cache µs (time / bf16 cache's) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cases: dict = {}
     for r in rows:
         cases.setdefault((r["heads_q"], r["heads_kv"], r["head_dim"], r["batch"], r["seqlen"]), {})[r["impl"]] = r
@@ -123,8 +124,14 @@ def _attention_decode(rows) -> str:
                    f"{_fmt(ours['floor_us'], 1) if ours else ''} | "
                    f"{_fmt(ours['floor_us'] / ours['us'], 2) if ours else ''} | "
                    f"{_ratio_ci(ours, 'speedup_vs_sdpa') if ours else ''} | "
-                   f"{_graph_cell(ours, sdpa)} |")
+                   f"{_graph_cell(ours, sdpa)} | {_fp8_cache_cell(impls.get('ours_fp8_cache'))} |")
     return "\n".join(out) + "\n"
+
+
+def _fp8_cache_cell(r) -> str:
+    if not r or r.get("us") is None:
+        return ""
+    return f"{r['us']:.1f} ({_ratio_ci(r, 'time_vs_bf16_cache')})"
 
 
 def render_attention(name: str, result: dict) -> str:

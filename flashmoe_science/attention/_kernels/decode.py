@@ -13,6 +13,13 @@ contiguous or a paged cache.
 - `kv_cache_append_kernel`: writes new keys and values into the cache at each sequence's
   position `cache_seqlens[b] + t`, before the attention reads them.
 
+An FP8 (e4m3) cache is read with q's dtype: each K and V tile is converted as it loads, times its
+descales (SCALES): one per (sequence, KV head), folded into the score scale and the output, or
+one per cached token and KV head (K_SCALE, V_SCALE laid out as the cache without its head dim),
+applied to the tile's rows. Appending quantises the new values: with the sequence's descale, or
+with a descale of its own per token and head (its largest magnitude to e4m3's 448), written
+beside it.
+
 A paged cache (PAGE_SIZE > 0) holds a sequence's key t in page `block_table[b, t // PAGE_SIZE]`,
 slot t % PAGE_SIZE; each key's page is looked up as its block loads. Keys past a sequence's length
 load as zeros (the cache beyond it may hold anything). A cache length out of [0, max_seqlen_k -
@@ -23,7 +30,16 @@ read or written outside the cache.
 import triton
 import triton.language as tl
 
-from .forward import BOTH_EDGES, TF32, band_diagonals, finish, softmax_step
+from ...float8 import to_e4m3
+from .forward import BOTH_EDGES, TF32, band_diagonals, finish, fp8_scores_scale, softmax_step
+
+# How an FP8 cache's values are scaled (SCALES): not at all (a 16-bit or fp32 cache), by one
+# descale per (sequence, KV head), or by one per cached token and KV head.
+NO_SCALES = tl.constexpr(0)
+HEAD_SCALES = tl.constexpr(1)
+TOKEN_SCALES = tl.constexpr(2)
+FP8_MAX = tl.constexpr(448.0)
+MIN_TOKEN_SCALE = tl.constexpr(1e-12)  # a token of zeros quantises to zeros, never 0 / 0
 
 
 @triton.jit
@@ -41,7 +57,7 @@ def _cached_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTH
 # (0 or 1) is a runtime flag: never specialised.
 @triton.jit(do_not_specialize=["cache_len", "has_leftpad"])
 def attention_decode_split_kernel(
-    Q, K, V, O_PART, LSE_PART, OUT, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE,
+    Q, K, V, O_PART, LSE_PART, OUT, LSE, CACHE_SEQLENS, CACHE_LEFTPAD, BLOCK_TABLE, K_SCALE, V_SCALE,
     scale_log2, softcap_scale, softcap_log2,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -49,11 +65,12 @@ def attention_decode_split_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
     stride_tb,
+    stride_sb, stride_sn, stride_sh,
     num_heads_kv, group_size, seqlen_q, seqlen_new, cache_len, has_leftpad, max_seqlen_k, num_pages, rows,
     rows_padded, split_len, num_splits, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, LENGTHS_TENSOR: tl.constexpr, SINGLE: tl.constexpr,
-    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr = TF32,
+    WRITE_LSE: tl.constexpr, SCALES: tl.constexpr = NO_SCALES, DOT_PRECISION: tl.constexpr = TF32,
 ):
     """K, V strides: (batch, token, head) of a contiguous cache, (page, slot, head) of a paged one.
     O_PART (num_splits, B, Hkv, rows_padded, BLOCK_D) and LSE_PART (num_splits, B, Hkv,
@@ -61,7 +78,9 @@ def attention_decode_split_kernel(
     to OUT (B, Sq, Hq, D), in its dtype and strides, and lse to LSE (B, Hq, Sq) when WRITE_LSE.
     has_leftpad: sequence b starts at cache position CACHE_LEFTPAD[b] (its earlier slots are
     padding); the program works in positions relative to that start, so causality and windows
-    are as for a sequence of cached + new - leftpad tokens."""
+    are as for a sequence of cached + new - leftpad tokens. SCALES (module docstring): K_SCALE and
+    V_SCALE (batch, heads_kv) with strides (stride_sb, -, stride_sh), or laid out as the cache
+    without its head dim, strides (stride_sb, stride_sn, stride_sh); else never read."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -83,6 +102,9 @@ def attention_decode_split_kernel(
     row_ok = offs_r < rows
     qi = offs_r // group_size  # query position of each row
     h = h_kv * group_size + offs_r % group_size
+    if SCALES == HEAD_SCALES:  # k's descale on the scores, v's on the output
+        scale_log2, softcap_scale = fp8_scores_scale(tl.load(K_SCALE + b64 * stride_sb + h_kv * stride_sh),
+                                                     scale_log2, softcap_scale)
     q = tl.load(Q + b64 * stride_qb + qi.to(tl.int64)[:, None] * stride_qm + h.to(tl.int64)[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -120,10 +142,24 @@ def attention_decode_split_kernel(
         mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(K + k_rows[:, None] + kv_head_k + offs_d[None, :], mask=mask, other=0.0)
         v = tl.load(V + v_rows[:, None] + kv_head_v + offs_d[None, :], mask=mask, other=0.0)
+        if SCALES == TOKEN_SCALES:
+            if PAGE_SIZE > 0:
+                s_rows = page64 * stride_sb + slot * stride_sn + h_kv * stride_sh
+            else:
+                s_rows = b64 * stride_sb + keys.to(tl.int64) * stride_sn + h_kv * stride_sh
+            # in q's dtype: e4m3 values times a descale lose nothing worth a register more in 16 bits
+            k_descale = tl.load(K_SCALE + s_rows, mask=key_ok, other=0.0).to(Q.dtype.element_ty)
+            v_descale = tl.load(V_SCALE + s_rows, mask=key_ok, other=0.0).to(Q.dtype.element_ty)
+            k = k.to(Q.dtype.element_ty) * k_descale[:, None]
+            v = v.to(Q.dtype.element_ty) * v_descale[:, None]
+        k = k.to(Q.dtype.element_ty)
+        v = v.to(Q.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qi, start_n, offs_n, seqlen_k, diag_lo, diag_hi,
                                      scale_log2, softcap_scale, softcap_log2, BOTH_EDGES, SOFTCAP, DOT_PRECISION)
     out, lse = finish(acc, l_i, m_i)
+    if SCALES == HEAD_SCALES:
+        out = out * tl.load(V_SCALE + b64 * stride_sb + h_kv * stride_sh)
     malformed = bad | (tl.max(bad_page, 0) > 0)
     out = tl.where(malformed, float("nan"), out)
     lse = tl.where(malformed, float("nan"), lse)
@@ -186,16 +222,22 @@ def attention_decode_combine_kernel(
 
 @triton.jit(do_not_specialize=["cache_len"])
 def kv_cache_append_kernel(
-    NEW, CACHE, CACHE_SEQLENS, BLOCK_TABLE,
+    NEW, CACHE, CACHE_SEQLENS, BLOCK_TABLE, SCALE,
     stride_nb, stride_nm, stride_nh,
     stride_cb, stride_cn, stride_ch,
     stride_tb,
+    stride_sb, stride_sn, stride_sh,
     seqlen_new, cache_len, max_seqlen_k, num_pages,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, LENGTHS_TENSOR: tl.constexpr,
+    SCALES: tl.constexpr = NO_SCALES,
 ):
     """NEW (B, Sq_new, Hkv, D) into CACHE at token cache_seqlens[b] + t of each sequence; one
     program per (batch entry and new token, KV head). Positions outside the cache, or in pages out
-    of range, are not written (the attention kernel turns such a sequence's outputs into NaN)."""
+    of range, are not written (the attention kernel turns such a sequence's outputs into NaN).
+    An FP8 CACHE (SCALES, as the split kernel's) gets the values divided by the sequence's
+    descale, saturated to +-448 (HEAD_SCALES), or by a descale of the token's own, its largest
+    magnitude over 448, written to SCALE beside it (TOKEN_SCALES); rounded to nearest even. NaN or
+    infinite values are stored as NaN (e4m3 has no infinity), never as a finite value."""
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = pid // seqlen_new
@@ -211,4 +253,19 @@ def kv_cache_append_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     value = tl.load(NEW + b.to(tl.int64) * stride_nb + t.to(tl.int64) * stride_nm + h * stride_nh + offs_d, mask=d_ok)
-    tl.store(CACHE + row + h * stride_ch + offs_d, value, mask=d_ok & ok)
+    if SCALES != NO_SCALES:
+        value = value.to(tl.float32)
+        if SCALES == HEAD_SCALES:
+            descale = tl.load(SCALE + b.to(tl.int64) * stride_sb + h * stride_sh)
+        else:
+            descale = tl.maximum(tl.max(tl.abs(tl.where(d_ok, value, 0.0)), 0) / FP8_MAX, MIN_TOKEN_SCALE)
+            if PAGE_SIZE > 0:
+                scale_row = tl.where(ok, page, 0).to(tl.int64) * stride_sb + (pos % PAGE_SIZE).to(tl.int64) * stride_sn
+            else:
+                scale_row = b.to(tl.int64) * stride_sb + tl.where(ok, pos, 0).to(tl.int64) * stride_sn
+            tl.store(SCALE + scale_row + h * stride_sh, descale, mask=ok)
+        value = value / descale
+        # finite values beyond e4m3's range saturate; NaN and +-inf (which e4m3 lacks) become NaN
+        value = to_e4m3(tl.where(tl.abs(value) < float("inf"), tl.minimum(tl.maximum(value, -FP8_MAX), FP8_MAX),
+                                 float("nan")))
+    tl.store(CACHE + row + h * stride_ch + offs_d, value.to(CACHE.dtype.element_ty), mask=d_ok & ok)

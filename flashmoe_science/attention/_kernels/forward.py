@@ -194,14 +194,13 @@ def softmax_step(acc, l_i, m_i, qk, v, offs_m, start_n, offs_n, seqlen_k, diag_l
 
 @triton.jit
 def fp8_scores_scale(descale, scale_log2, softcap_scale):
-    """(scale_log2, softcap_scale) of an FP8 program, descale pointing at its (q_descale,
-    k_descale, v_descale): both times q_descale * k_descale. The softmax takes row maxima of
-    unscaled scores, so a negative or NaN product turns every score NaN rather than silently
-    inverting the weights; a zero one (an all-zero tensor's) is raised to MIN_SCALE as the host
-    raises a zero softmax_scale, so masked scores stay -inf after the multiply."""
-    qk_descale = tl.load(descale) * tl.load(descale + 1)
-    scale_log2 = tl.where(qk_descale >= 0, tl.maximum(scale_log2 * qk_descale, MIN_SCALE_IN_KERNEL), float("nan"))
-    return scale_log2, softcap_scale * qk_descale
+    """(scale_log2, softcap_scale) of an FP8 product whose scores carry the factor `descale` (q's
+    times k's): both times it. The softmax takes row maxima of unscaled scores, so a negative or
+    NaN descale turns every score NaN rather than silently inverting the weights; a zero one (an
+    all-zero tensor's) is raised to MIN_SCALE as the host raises a zero softmax_scale, so masked
+    scores stay -inf after the multiply."""
+    scale_log2 = tl.where(descale >= 0, tl.maximum(scale_log2 * descale, MIN_SCALE_IN_KERNEL), float("nan"))
+    return scale_log2, softcap_scale * descale
 
 
 @triton.jit
@@ -258,7 +257,8 @@ def attention_forward_kernel(
         descale = DESCALE + (b.to(tl.int64) * (num_heads_q // group_size) + h_kv) * 3
         if VARLEN:  # the sequence's own index
             descale = DESCALE + (tl.load(SEQUENCE_ORDER + b).to(tl.int64) * (num_heads_q // group_size) + h_kv) * 3
-        scale_log2, softcap_scale = fp8_scores_scale(descale, scale_log2, softcap_scale)
+        scale_log2, softcap_scale = fp8_scores_scale(tl.load(descale) * tl.load(descale + 1), scale_log2,
+                                                     softcap_scale)
 
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, SEQUENCE_ORDER, b, seqlen_q,
                                                            seqlen_k, total_q, total_k, VARLEN)

@@ -296,7 +296,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
     b, h, h_kv, pid_m = _tile_coordinates(tile, num_heads_q, group_size, num_m_blocks, batch_heads, section, CAUSAL)
     if FP8:
         descale = DESCALE + (b.to(gl.int64) * (num_heads_q // group_size) + h_kv) * 3
-        scale_log2, _ = fp8_scores_scale(descale, scale_log2, 0.0)
+        scale_log2, _ = fp8_scores_scale(gl.load(descale) * gl.load(descale + 1), scale_log2, 0.0)
     tile_row = pid_m * NUM_CONSUMERS * BLOCK_M
     first_row = tile_row + C * BLOCK_M
     lo, num_blocks = _tile_blocks(tile_row, seqlen_q, seqlen_k, diag_lo, diag_hi, NUM_CONSUMERS * BLOCK_M, BLOCK_N)
