@@ -119,3 +119,29 @@ def test_compiled_kv_cache_decode_step_equals_eager(device, paged):
                                                                            block_table=table),
                             fullgraph=True, backend="aot_eager")(q, *caches[0])
     assert torch.equal(out_int, flash_attention_with_kvcache(q, *caches[1], cache_seqlens=17, block_table=table))
+
+
+def test_compiled_fp8_kv_cache_step_equals_eager(device):
+    """An FP8 cache with per-token descales under torch.compile(fullgraph=True): the custom op
+    writes the appended tokens' values and descales as eager does."""
+    from flashmoe_science import flash_attention_with_kvcache
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 4, 32, device=device)
+    k_new, v_new = (torch.randn(2, 1, 2, 32, device=device) for _ in range(2))
+    seqlens = torch.tensor([40, 17], dtype=torch.int32, device=device)
+    cache = torch.randn(2, 64, 2, 32, device=device).to(torch.float8_e4m3fn)
+    descale = torch.rand(2, 64, 2, device=device) + 0.5
+    states = [(cache.clone(), cache.clone(), descale.clone(), descale.clone()) for _ in range(2)]
+
+    def step(q, k_cache, v_cache, k_descale, v_descale, k, v, seqlens):
+        return flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, k_descale=k_descale,
+                                            v_descale=v_descale)
+
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *states[0], k_new, v_new, seqlens)
+    eager = step(q, *states[1], k_new, v_new, seqlens)
+    assert torch.equal(out, eager)
+    for ours, theirs in zip(states[0], states[1]):
+        assert torch.equal(ours.view(torch.uint8) if ours.dtype == torch.float8_e4m3fn else ours,
+                           theirs.view(torch.uint8) if theirs.dtype == torch.float8_e4m3fn else theirs)
+    assert not torch.equal(states[0][2], descale)  # the new tokens' descales were written
