@@ -410,3 +410,47 @@ def test_fp8_kv_cache_gpu_bf16(per_token):
     ref_out, _ = reference(q, k_real, v_real, [n + 1 for n in lengths])
     bf16_out, _ = reference(q, k_real.bfloat16(), v_real.bfloat16(), [n + 1 for n in lengths])
     assert rel(out, ref_out) <= 2 * max(rel(bf16_out.bfloat16(), ref_out), 2e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_varlen_matches_each_sequence(causal, device, poisoned_allocations):
+    from flashmoe_science import flash_attention_varlen
+
+    lengths_q, lengths_k = [5, 0, 33, 17], [9, 4, 33, 40]
+    Hq, Hkv, D = 4, 2, 32
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32, device=device)
+    q = torch.randn(sum(lengths_q), Hq, D, device=device)
+    k, v = (torch.randn(sum(lengths_k), Hkv, D, device=device) for _ in range(2))
+    # one descale per sequence and KV head
+    descales, packed = {}, {}
+    for name, t, cu, heads in (("q", q, cu_q, Hq), ("k", k, cu_k, Hkv), ("v", v, cu_k, Hkv)):
+        scales, parts = [], []
+        for b in range(len(lengths_q)):
+            part = t[cu[b]:cu[b + 1]].unflatten(1, (Hkv, heads // Hkv))
+            amax = part.abs().amax(dim=(0, 2, 3)) if part.numel() else torch.zeros(Hkv, device=device)
+            scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            scales.append(scale)
+            parts.append((part / scale[None, :, None, None]).flatten(1, 2))
+        descales[f"{name}_descale"] = torch.stack(scales)
+        packed[name] = torch.cat(parts).to(FP8_DTYPE)
+    out, lse = flash_attention_varlen(packed["q"], packed["k"], packed["v"], cu_q, cu_k, max(lengths_q),
+                                      max(lengths_k), causal=causal, return_lse=True, **descales)
+    assert out.dtype == torch.bfloat16 and out.shape == (sum(lengths_q), Hq, D) and lse.shape == (Hq, sum(lengths_q))
+    for b in range(len(lengths_q)):
+        def real(name, cu, heads):
+            part = packed[name][cu[b]:cu[b + 1]].double().unflatten(1, (Hkv, heads // Hkv))
+            return (part * descales[f"{name}_descale"][b].double()[None, :, None, None]).flatten(1, 2)[None].transpose(1, 2)
+        ref_out, ref_lse = attention_reference(real("q", cu_q, Hq), real("k", cu_k, Hkv), real("v", cu_k, Hkv),
+                                               causal=causal)
+        ours = out[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]
+        if ours.numel():
+            emulation_err = rel(emulated_fp8(real("q", cu_q, Hq), real("k", cu_k, Hkv), real("v", cu_k, Hkv),
+                                             causal=causal), ref_out)
+            assert rel(ours, ref_out) <= 2 * emulation_err + 8e-3
+            seen = torch.isfinite(ref_lse[0])
+            assert torch.equal(torch.isfinite(lse[:, cu_q[b]:cu_q[b + 1]]), seen)
+            assert (lse[:, cu_q[b]:cu_q[b + 1]][seen].double() - ref_lse[0][seen]).abs().max() < 1e-3
+    with pytest.raises(ValueError, match=r"q_descale must have shape \(batch, heads_kv\) = \(4, 2\)"):
+        flash_attention_varlen(packed["q"], packed["k"], packed["v"], cu_q, cu_k, max(lengths_q), max(lengths_k),
+                               **{**descales, "q_descale": torch.ones(3, 2, device=device)})

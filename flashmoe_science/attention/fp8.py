@@ -1,6 +1,7 @@
 """FP8 attention: q, k and v in float8 e4m3 with FlashAttention-3's per-(batch, KV head) descales.
 
-`flash_attention_science` and `flash_attention_forward` take FP8 q, k, v (all three) with
+`flash_attention_science`, `flash_attention_forward` and `flash_attention_varlen` (descales per
+sequence) take FP8 q, k, v (all three) with
 `q_descale`, `k_descale`, `v_descale`, float32 tensors of shape (B, Hkv): the stored values times
 their descale are the real ones. Both products run on the FP8 tensor cores with fp32
 accumulation; the output is bf16 and lse is returned as usual. Which kernel runs is the forward's
@@ -41,10 +42,11 @@ def is_fp8(*tensors) -> bool:
     return any(getattr(t, "dtype", None) == FP8_DTYPE for t in tensors)
 
 
-def fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale) -> torch.Tensor | None:
+def fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale, packed_batch=None) -> torch.Tensor | None:
     """The descales the kernels read, a float32 (B, Hkv, 3) tensor of (q, k, v) descales (ones
     where None), after checking the FP8 arguments of a dense call (q (B, Hq, Sq, D), k and v
-    (B, Hkv, Sk, D)); None for a call without FP8 tensors or descales."""
+    (B, Hkv, Sk, D)) or, with `packed_batch` = B sequences, of a packed one (q (total_q, Hq, D), k
+    and v (total_k, Hkv, D)); None for a call without FP8 tensors or descales."""
     given = (q_descale, k_descale, v_descale)
     if not is_fp8(q, k, v):
         for name, t in zip(DESCALE_NAMES, given):
@@ -56,8 +58,11 @@ def fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale) -> tor
         if not isinstance(t, torch.Tensor) or t.dtype != FP8_DTYPE:
             raise TypeError(f"FP8 attention needs q, k and v all in torch.float8_e4m3fn; "
                             f"{name} is {getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != 4:
+        if packed_batch is None and t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+        if packed_batch is not None and t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim), got shape "
                              f"{tuple(t.shape)}")
     if softmax_scale is not None and not isinstance(softmax_scale, bool) and \
             isinstance(softmax_scale, (int, float)) and softmax_scale < 0:
@@ -67,7 +72,7 @@ def fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale) -> tor
         if not FP8_MIN_HEAD_DIM <= head_dim <= 256:
             raise ValueError(f"FP8 attention needs head dims from {FP8_MIN_HEAD_DIM} to 256 (an FP8 product sums "
                              f"at least 32 along K); head_dim of {name} is {head_dim}")
-    batch, heads_kv = k.shape[0], k.shape[1]
+    batch, heads_kv = (k.shape[0], k.shape[1]) if packed_batch is None else (packed_batch, k.shape[1])
     columns = []
     for name, t in zip(DESCALE_NAMES, given):
         if t is None:
@@ -84,6 +89,16 @@ def fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale) -> tor
         columns.append(t)
     ones = torch.ones((batch, heads_kv), dtype=torch.float32, device=q.device)
     return torch.stack([ones if t is None else t for t in columns], dim=-1)
+
+
+def refuse_fp8_autograd_and_compile(q, k, v) -> None:
+    """FP8 attention is an eager forward: clear errors under torch.compile and for tensors that
+    require grad."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("FP8 attention runs eagerly only; call it outside torch.compile "
+                           "(torch.compiler.disable) for now")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError("FP8 attention is forward only: q, k and v must not require grad")
 
 
 # The sm90 kernel's FP8 P V product reads V keys-last in groups of this many keys (`fp8_value_tiles`).

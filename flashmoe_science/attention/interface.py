@@ -13,7 +13,7 @@ import torch
 
 from .backward import attention_backward
 from .checks import NO_WINDOW, check_band, check_bool, check_flags, check_options
-from .fp8 import fp8_descales
+from .fp8 import fp8_descales, refuse_fp8_autograd_and_compile
 from .forward import attention_forward
 
 
@@ -144,11 +144,7 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
     check_flags(deterministic, return_lse)
     descales = fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale)
     if descales is not None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError("FP8 attention runs eagerly only; call it outside torch.compile "
-                               "(torch.compiler.disable) for now")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise RuntimeError("FP8 attention is forward only: q, k and v must not require grad")
+        refuse_fp8_autograd_and_compile(q, k, v)
         out, lse = attention_forward(q, k, v, causal, softmax_scale, return_lse, None, window_size, softcap, descales)
         return (out, lse) if return_lse else out
     try:

@@ -27,15 +27,17 @@ from ..launch import PlanCache
 from .backward import BackwardPlan, launch_backward
 from .checks import NO_WINDOW, check_backward_tensors, check_band, check_flags, check_inputs, check_options, is_int
 from .forward import ForwardPlan, launch_forward
+from .fp8 import fp8_descales, refuse_fp8_autograd_and_compile
 from .interface import gradients_from_context, refuse_double_backward, save_for_backward
 
 # (cumulative lengths argument, its max_seqlen argument, what it counts), for error messages.
 _LENGTHS = (("cu_seqlens_q", "max_seqlen_q", "query"), ("cu_seqlens_k", "max_seqlen_k", "key"))
 
 
-def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
-    """Shapes, dtypes and devices (values are `_CheckedLengths`'s, max_seqlen `_check_max_seqlens`'s)."""
-    check_inputs(q, k, v, packed=True)
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, fp8: bool = False) -> None:
+    """Shapes, dtypes and devices (values are `_CheckedLengths`'s, max_seqlen `_check_max_seqlens`'s);
+    fp8: FP8 q, k, v allowed (a forward whose descales `fp8.fp8_descales` checked)."""
+    check_inputs(q, k, v, packed=True, fp8=fp8)
     for (name, _, _), cu in zip(_LENGTHS, (cu_seqlens_q, cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -204,9 +206,9 @@ _BACKWARD_PLANS = PlanCache()
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                   write_lse, window_size=NO_WINDOW, softcap=0.0):
+                   write_lse, window_size=NO_WINDOW, softcap=0.0, descales=None):
     """Runs the forward kernel on a packed batch: returns (out, lse) with lse (Hq, total_q), None
-    unless `write_lse`."""
+    unless `write_lse`. FP8 calls pass their (batch, Hkv, 3) descales (`fp8.fp8_descales`)."""
     check_options(causal, softmax_scale)  # every call, as in `forward.attention_forward`
     window_size = check_band(window_size, softcap)
     _check_max_seqlens(max_seqlen_q, max_seqlen_k)
@@ -217,14 +219,17 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     except AttributeError:  # not tensors: the checks say which
         key = plan = None
     if plan is None:
-        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, fp8=descales is not None)
         plan = ForwardPlan(q, k, v, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal, window_size,
                             softcap, write_lse, True)
         if key is not None:
             _FORWARD_PLANS.remember(key, plan)
+    if plan.fp8 != (descales is not None):  # a cached plan's fast path too (as `forward.attention_forward`)
+        raise TypeError("FP8 q, k, v run through flash_attention_varlen with their descales (eager; not under "
+                        "torch.compile); other dtypes take no descales")
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     out, lse = launch_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
-                           longest_first(cu_seqlens_q, cu_seqlens_k))
+                           longest_first(cu_seqlens_q, cu_seqlens_k), descales)
     poison_if_malformed(key, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, (out, lse))
     return out, lse
 
@@ -277,7 +282,7 @@ class _VarlenFunction(torch.autograd.Function):
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                            softmax_scale=None, *, window_size=NO_WINDOW, softcap=0.0, return_lse=False,
-                           deterministic=False):
+                           deterministic=False, q_descale=None, k_descale=None, v_descale=None):
     """Fused attention over a packed batch of sequences of different lengths, differentiable in
     q, k and v.
 
@@ -297,6 +302,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             each sequence on its own (bottom-right alignment uses that sequence's lengths).
         return_lse: also return lse (Hq, total_q) float32, natural log; differentiable.
         deterministic: accepted for compatibility; the backward is always bitwise reproducible.
+        q_descale, k_descale, v_descale: FP8 inputs, as for `flash_attention_science`: q, k and v
+            in torch.float8_e4m3fn and float32 (batch, Hkv) descales, one per sequence and KV head
+            (None: 1); bf16 output, forward only, eager only.
 
     The values of cu_seqlens are checked (ValueError for one that does not start at 0, decreases,
     ends at a count other than the tokens of q or k, or holds a sequence longer than its
@@ -312,6 +320,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out (total_q, Hq, D_v) with q's layout and dtype, or (out, lse) when return_lse.
     """
     check_flags(deterministic, return_lse)
+    packed_batch = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+    descales = fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale, packed_batch=packed_batch)
+    if descales is not None:
+        refuse_fp8_autograd_and_compile(q, k, v)
+        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, return_lse, window_size, softcap, descales)
+        return (out, lse) if return_lse else out
     try:
         differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     except AttributeError:  # not tensors: the checks say which argument is wrong
