@@ -6,7 +6,8 @@ Attention: batch, heads and GQA ratio, lengths from 0, head dims off the powers 
 own head dim, as MLA's), layouts
 (contiguous, the (B, S, H, D) views models pass, storage offsets, expanded stride-0 heads, a
 non-unit stride in D), causal, windows, softcap, scales of either sign; forward and gradients.
-Packed variable-length batches with empty sequences. MoE: token counts from 0, expert counts,
+Packed variable-length batches with empty sequences. FP8 inputs in any layout, against float64
+of their dequantised values. MoE: token counts from 0, expert counts,
 routings that send every token to one expert or leave experts empty, dropped slots, int32 and
 int64 ids; forward and gradients.
 
@@ -151,6 +152,54 @@ def test_attention_matches_reference_on_any_input(case):
     terms = gradient_terms(*leaves, scale)
     for name, a, b, r, t in zip(("dq", "dk", "dv"), mine[2], theirs[2], ref[2], terms):
         assert_within_pytorch(name, a, b, r, c["dtype"], t)
+
+
+@st.composite
+def fp8_attention_cases(draw):
+    heads_kv = draw(st.integers(1, 2))
+    return dict(
+        B=draw(st.integers(0, 2)), heads_kv=heads_kv, heads_q=heads_kv * draw(st.sampled_from([1, 2, 3])),
+        Sq=draw(st.integers(0, 33)), Sk=draw(st.integers(0, 33)), D=draw(st.sampled_from([32, 40, 64])),
+        Dv=draw(st.sampled_from([None, None, 32, 48])), causal=draw(st.booleans()),
+        window=(draw(st.sampled_from([-1, 0, 3, 17])), draw(st.sampled_from([-1, 0, 5]))),
+        softcap=draw(st.sampled_from([0.0, 0.0, 0.5, 20.0])), scale=draw(st.sampled_from([None, None, 0.3, 0.0])),
+        layouts=[draw(st.sampled_from(["contiguous", "bshd", "offset", "strided_d"])) for _ in range(3)],
+        magnitude=draw(st.sampled_from([1.0, 0.01, 8.0])), rotate=draw(st.booleans()),
+    )
+
+
+@given(fp8_attention_cases())
+def test_fp8_attention_matches_reference_on_any_input(case):
+    """FP8 inputs from `fp8_attention_inputs` in any layout: against float64 of the dequantised
+    inputs, within twice an FP8 emulation's error (P rounded to e4m3 after an exact softmax) plus
+    bf16's rounding of the output; rows that see no key exactly 0 with lse -inf."""
+    from flashmoe_science import fp8_attention_inputs
+    from test_attention_fp8 import dequantized, emulated_fp8
+
+    c = case
+    shapes = [(c["B"], c["heads_q"], c["Sq"], c["D"]), (c["B"], c["heads_kv"], c["Sk"], c["D"]),
+              (c["B"], c["heads_kv"], c["Sk"], c["Dv"] or c["D"])]
+    q, k, v = (view(leaf) for leaf, view in (_make(shape, layout, torch.float32, c["magnitude"])
+                                              for shape, layout in zip(shapes, c["layouts"])))
+    inputs = fp8_attention_inputs(q, k, v, rotate=c["rotate"] and c["Dv"] is None)
+    for name, shape, layout in zip("qkv", shapes, c["layouts"]):  # the FP8 tensors in the drawn layouts
+        leaf, view = _make(shape, layout, torch.float32, 1.0)
+        inputs[name] = view(leaf.to(torch.float8_e4m3fn)).copy_(inputs[name])
+    options = dict(causal=c["causal"], softmax_scale=c["scale"], window_size=c["window"], softcap=c["softcap"])
+    out, lse = flash_attention_science(**inputs, return_lse=True, **options)
+    dq, dk, dv = dequantized(inputs)
+    ref_out, ref_lse = attention_reference(dq, dk, dv, **options)
+    blind = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), blind), "lse -inf exactly for rows that see no key"
+    assert (out[blind] == 0).all(), "rows that see no key are 0"
+    if out.numel() == 0 or blind.all():
+        return
+    emulated = emulated_fp8(dq, dk, dv, **options)
+    err = _rms((out.double() - ref_out)[~blind])
+    err_emulated = _rms((emulated - ref_out)[~blind])
+    assert err <= 2 * err_emulated + 8 * EPS[torch.bfloat16] * _rms(ref_out[~blind]) + 1e-30, (err, err_emulated)
+    score_size = (c["scale"] if c["scale"] is not None else 1 / math.sqrt(c["D"])) * _rms(dq) * _rms(dk) * c["D"]
+    assert (lse[~blind].double() - ref_lse[~blind]).abs().max().item() <= 1e-3 * (1 + score_size + c["softcap"])
 
 
 @st.composite
