@@ -431,9 +431,13 @@ def test_fp8_varlen_matches_each_sequence(causal, device, poisoned_allocations):
             amax = part.abs().amax(dim=(0, 2, 3)) if part.numel() else torch.zeros(Hkv, device=device)
             scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
             scales.append(scale)
-            parts.append((part / scale[None, :, None, None]).flatten(1, 2))
+            parts.append((part / scale[None, :, None, None]).clamp(-FP8_MAX, FP8_MAX).flatten(1, 2))
         descales[f"{name}_descale"] = torch.stack(scales)
         packed[name] = torch.cat(parts).to(FP8_DTYPE)
+    helper = fp8_attention_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)  # the same, in one call
+    for name in packed:
+        assert torch.equal(helper[f"{name}_descale"], descales[f"{name}_descale"])
+        assert torch.equal(helper[name].view(torch.uint8), packed[name].view(torch.uint8))
     out, lse = flash_attention_varlen(packed["q"], packed["k"], packed["v"], cu_q, cu_k, max(lengths_q),
                                       max(lengths_k), causal=causal, return_lse=True, **descales)
     assert out.dtype == torch.bfloat16 and out.shape == (sum(lengths_q), Hq, D) and lse.shape == (Hq, sum(lengths_q))

@@ -165,34 +165,60 @@ def hadamard_rotate(q: torch.Tensor, k: torch.Tensor, *, seed: int = 0) -> tuple
     return (q.float() @ r).to(q.dtype), (k.float() @ r).to(k.dtype)
 
 
-def _quantize(x: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x in FP8, descale (B, heads_kv)): one scale per batch entry and KV head, over the head's
-    group of heads of x (B, H, S, D), its largest magnitude mapped to FP8_MAX."""
-    batch, heads, seqlen, head_dim = x.shape
-    grouped = x.unflatten(1, (heads_kv, heads // heads_kv))
-    amax = grouped.abs().amax(dim=(2, 3, 4)).float() if x.numel() else x.new_zeros((batch, heads_kv), dtype=torch.float32)
+def _quantize(x: torch.Tensor, heads_kv: int, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in FP8, descale (B, heads_kv)): one scale per batch entry (sequence, for a packed x with
+    `cu_seqlens`) and KV head, over the head's group of heads, its largest magnitude mapped to
+    FP8_MAX. x: (B, H, S, D), or packed (total, H, D)."""
+    grouped = x.unflatten(1, (heads_kv, x.shape[1] // heads_kv))
+    if cu_seqlens is None:
+        batch = x.shape[0]
+        amax = grouped.abs().amax(dim=(2, 3, 4)).float() if x.numel() else x.new_zeros((batch, heads_kv),
+                                                                                        dtype=torch.float32)
+    else:  # (total, Hkv, G, D): each token's largest magnitude, then each sequence's
+        batch = cu_seqlens.numel() - 1
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        sequence = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths)
+        token_amax = grouped.abs().amax(dim=(2, 3)).float() if x.numel() else x.new_zeros((0, heads_kv),
+                                                                                           dtype=torch.float32)
+        amax = torch.zeros((batch, heads_kv), dtype=torch.float32, device=x.device).scatter_reduce_(
+            0, sequence[:, None].expand(-1, heads_kv), token_amax, reduce="amax")
     descale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    scaled = grouped.float() / descale[:, :, None, None, None]
+    expand = descale[:, :, None, None, None] if cu_seqlens is None else descale[sequence][:, :, None, None]
+    scaled = grouped.float() / expand
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(1, 2), descale
 
 
 def fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotate: bool = False,
-                         seed: int = 0) -> dict:
+                         seed: int = 0, cu_seqlens_q=None, cu_seqlens_k=None) -> dict:
     """q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, D_v), 16- or 32-bit, as the keyword
     arguments of an FP8 attention call: {"q", "k", "v"} in float8 e4m3 and {"q_descale",
     "k_descale", "v_descale"} float32 (B, Hkv). rotate: `hadamard_rotate` q and k first (`seed`
-    picks the signs). Non-finite inputs give non-finite scales, hence NaN outputs."""
+    picks the signs). A packed batch, as `flash_attention_varlen` takes it: q (total_q, Hq, D),
+    k and v (total_k, Hkv, D) with their int32 `cu_seqlens_q`, `cu_seqlens_k`; one scale per
+    sequence and KV head (the sequences' lengths are read to the host). Non-finite inputs give
+    non-finite scales, hence NaN outputs."""
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    ndim, dims = (3, "(total_tokens, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == FP8_DTYPE:
             raise TypeError(f"{name} must be a 16- or 32-bit floating-point tensor, got "
                             f"{getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), got shape "
-                             f"{tuple(t.shape)}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(t.shape)}")
+    if packed:
+        for name, cu, t in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.is_floating_point():
+                raise ValueError(f"{name} must be a 1-D integer tensor of batch + 1 cumulative lengths (both or "
+                                 f"neither given), got {cu!r:.80}")
+            if int(cu[0]) != 0 or int(cu[-1]) != t.shape[0] or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"{name} must rise from 0 to {t.shape[0]} (the tokens of its tensor)")
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must count the same sequences")
     heads_kv = k.shape[1]
     if heads_kv == 0 or q.shape[1] % heads_kv or v.shape[1] != heads_kv:
         raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of k's ({heads_kv}), and v must have k's")
     if rotate:
         q, k = hadamard_rotate(q, k, seed=seed)
-    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_kv) for t in (q, k, v))
+    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_kv, cu) for t, cu in
+                                    ((q, cu_seqlens_q), (k, cu_seqlens_k), (v, cu_seqlens_k)))
     return dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
