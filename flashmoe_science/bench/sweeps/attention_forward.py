@@ -93,6 +93,22 @@ GLUON_FP8_CANDIDATES = {64: [(128, 128, 2), (128, 128, 4), (192, 128, 2), (128, 
                         256: [(128, 64, 2), (128, 64, 3), (128, 128, 2)]}
 
 
+def _candidate_row(section, case, impl, fn, flops, reference, error_key) -> dict:
+    """One candidate's sweep row: its time of `fn` (which returns (out, lse)) and its output's
+    error against `reference` under `error_key`, or the error it raised. case: (head dim, S,
+    causal, window_size)."""
+    row = _sweep_row(section, *case, impl=impl)
+    try:
+        out, _ = fn()
+        t = time_gpu(fn, warmup_ms=5, rep_ms=25, repeats=1)
+    except Exception as exc:
+        row.update(error=f"{type(exc).__name__}: {exc}"[:200])
+    else:
+        row.update({"ms": t.median_ms, "tflops": flops / (t.median_ms * 1e-3) / 1e12,
+                    error_key: rel_error(out, reference)})
+    return row
+
+
 def fp8_sweep(args, device):
     """The Gluon kernel's FP8 candidates (persistent or not as `configs.gluon_persistent` ships)
     against our bf16 forward as the dispatcher runs it, on the throughput shapes (inputs from
@@ -116,22 +132,13 @@ def fp8_sweep(args, device):
         persistent = gluon_persistent(causal, seqlen)
         for bm, bn, stages in GLUON_FP8_CANDIDATES.get(head_dim, []):
             cfg = AttentionConfig(bm, bn, 4, stages)
-            row = _sweep_row("fp8_sweep", head_dim, seqlen, causal, window,
-                             impl=f"gluon fp8 {bm}x{bn} s{stages}{'' if persistent else ' grid=tiles'}")
-
-            def call():
-                return attention_forward_hopper(fp8["q"], fp8["k"], fp8["v"], causal, head_dim ** -0.5, cfg,
-                                                gluon=True, persistent=persistent, window_size=window,
-                                                descales=descales)
-            try:
-                out, _ = call()
-                t = time_gpu(call, warmup_ms=5, rep_ms=25, repeats=1)
-            except Exception as exc:
-                row.update(error=f"{type(exc).__name__}: {exc}"[:200])
-            else:
-                row.update(ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12,
-                           rel_err_vs_bf16=rel_error(out, reference))
-            rows.append(row)
+            rows.append(_candidate_row(
+                "fp8_sweep", (head_dim, seqlen, causal, window),
+                f"gluon fp8 {bm}x{bn} s{stages}{'' if persistent else ' grid=tiles'}",
+                lambda: attention_forward_hopper(fp8["q"], fp8["k"], fp8["v"], causal, head_dim ** -0.5, cfg,
+                                                 gluon=True, persistent=persistent, window_size=window,
+                                                 descales=descales),
+                flops, reference, "rel_err_vs_bf16"))
         args.checkpoint(rows)
     return rows
 
@@ -157,16 +164,8 @@ def hopper_sweep(args, device):
                                ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12))
 
         def timed(impl, fn):  # one candidate's row: its time and its error against the generic output
-            row = _sweep_row("hopper_sweep", head_dim, seqlen, causal, window, impl=impl)
-            try:
-                out, _ = fn()
-                t = time_gpu(fn, warmup_ms=5, rep_ms=25, repeats=1)
-            except Exception as exc:
-                row.update(error=f"{type(exc).__name__}: {exc}"[:200])
-            else:
-                row.update(ms=t.median_ms, tflops=flops / (t.median_ms * 1e-3) / 1e12,
-                           rel_err_vs_generic=rel_error(out, generic))
-            return row
+            return _candidate_row("hopper_sweep", (head_dim, seqlen, causal, window), impl, fn, flops, generic,
+                                  "rel_err_vs_generic")
 
         triton_candidates = HOPPER_CANDIDATES.get(head_dim, [])
         if args.sweep_gluon:
