@@ -149,8 +149,8 @@ def launch_forward(plan: ForwardPlan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, 
     if plan.hopper is not None:
         gluon, cfg = plan.hopper
         if gluon:
-            launch_gluon(q, k, fp8_value_tiles(v) if plan.fp8 else v, out, lse, scale, cfg, plan.window, causal=plan.causal,
-                         device_index=plan.device_index, key=key, descales=descales)
+            launch_gluon(q, k, fp8_value_tiles(v) if plan.fp8 else v, out, lse, scale, cfg, plan.window,
+                         causal=plan.causal, device_index=plan.device_index, key=key, descales=descales)
         else:
             launch_tma(q, k, v, out, lse, scale, softcap, cfg, plan.window, causal=plan.causal,
                        device_index=plan.device_index, key=key)

@@ -385,8 +385,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
 
 
 @gluon.jit
-def _consumer(desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-              scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
+def _consumer(desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+              v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k, num_m_blocks,
               batch_heads, section, window_left, window_right, C: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -467,14 +467,14 @@ def attention_forward_gluon_kernel(
     # Partition arguments are spelled out: a tuple built with + loses its constexprs.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
+                         seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
                          PERSISTENT, FP8)),
-            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
+                         seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
                          PERSISTENT, FP8)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -484,19 +484,19 @@ def attention_forward_gluon_kernel(
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
+                         seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right, 0, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
                          PERSISTENT, FP8)),
-            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
+                         seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right, 1, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
                          PERSISTENT, FP8)),
-            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q, seqlen_k,
-                         num_m_blocks, batch_heads, section, window_left, window_right, 2, BLOCK_M, BLOCK_N,
+            (_consumer, (desc_o, LSE, DESCALE, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, scale_log2, stride_lb, stride_lh, num_heads_q, group_size, seqlen_q,
+                         seqlen_k, num_m_blocks, batch_heads, section, window_left, window_right, 2, BLOCK_M, BLOCK_N,
                          HEAD_DIM, BLOCK_D, BLOCK_DV, NUM_STAGES, CAUSAL, WRITE_LSE, NUM_CONSUMERS, SEPARATE_O,
                          PERSISTENT, FP8)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
