@@ -316,3 +316,22 @@ def test_compiled_fp8_inference_equals_eager():
         eager = layer(x, weights, ids, logits)
     for c, e in zip(compiled, eager):
         assert torch.equal(c, e)
+
+
+def test_scales_check_never_trusts_a_reused_address():
+    """A scales tensor validated and freed, then a new one at the same address, with the same shape
+    and version but bad values (numpy's memory written behind torch's back): checked afresh."""
+    import numpy as np
+
+    from flashmoe_science.moe.fp8 import check_scales_finite
+
+    memory = np.ones(64, dtype=np.float32)
+    good = torch.from_numpy(memory)
+    check_scales_finite(good, good)
+    address = good.data_ptr()
+    del good
+    memory[:] = np.inf
+    bad = torch.from_numpy(memory)
+    assert bad.data_ptr() == address and bad._version == 0
+    with pytest.raises(ValueError, match="w1_scale has a non-finite"):
+        check_scales_finite(bad, bad)
