@@ -502,3 +502,32 @@ def test_gpu_fp32_products_follow_torch_matmul_precision(precision):
         assert _rel(out, ref) <= 2 * _rel(theirs, ref) + (1e-6 if precision == "highest" else 5e-3)
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_tensor_facts_follow_the_tensor_not_its_address():
+    """`tensor_facts.TensorFacts`, which keeps what host reads found (cu_seqlens, FP8 scales): a
+    fact is dropped when the tensor is written in place or freed (a new tensor at the same address
+    is not taken for it), and never kept for inference-mode tensors, which have no version."""
+    import numpy as np
+
+    from flashmoe_science.tensor_facts import TensorFacts
+
+    facts = TensorFacts(max_entries=4)
+    memory = np.zeros(8, dtype=np.int32)
+    a = torch.from_numpy(memory)
+    facts.remember("a's", a)
+    assert facts.get(a) == "a's"
+    a.add_(1)  # in place: the version moves
+    assert facts.get(a) is None
+    facts.remember("a's again", a)
+    address = a.data_ptr()
+    del a
+    b = torch.from_numpy(memory)  # the same memory, version and shape
+    assert b.data_ptr() == address and facts.get(b) is None
+    c, d = torch.zeros(3), torch.ones(3)
+    facts.remember("pair", c, d)
+    assert facts.get(c, d) == "pair" and facts.get(d, c) is None and facts.get(c) is None
+    with torch.inference_mode():
+        e = torch.zeros(2)
+    facts.remember("never", e)
+    assert facts.get(e) is None

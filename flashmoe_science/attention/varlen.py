@@ -17,13 +17,11 @@ layer. While a CUDA graph is being captured nothing can be read: the values are 
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from ..launch import KernelLauncher
+from ..launch import KernelLauncher, PlanCache
+from ..tensor_facts import TensorFacts
 from ._kernels.lengths import malformed_lengths_poison_kernel
-from ..launch import PlanCache
 from .backward import BackwardPlan, launch_backward
 from .checks import NO_WINDOW, check_backward_tensors, check_band, check_flags, check_inputs, check_options, is_int
 from .forward import ForwardPlan, launch_forward
@@ -62,40 +60,19 @@ def _check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
             raise ValueError(f"{name} must be >= 0, got {bound}")
 
 
-def _version(t: torch.Tensor):
-    try:
-        return t._version
-    except RuntimeError:  # inference-mode tensors keep no version counter
-        return None
-
-
 class _CheckedLengths:
     """(last entry, longest length) of each cu_seqlens tensor whose values were read and found
-    well formed (starting at 0, never decreasing).
-
-    A tensor's facts are kept under its id with a weak reference to it, so that a new tensor with
-    a recycled id or address is read afresh, and with its version counter, so that one changed in
-    place is too. Tensors without a version counter (made under inference mode) are read every time.
-    """
-
-    _MAX_ENTRIES = 64
+    well formed (starting at 0, never decreasing), remembered as `tensor_facts` says."""
 
     def __init__(self):
-        self._facts: dict = {}
-
-    def _known(self, t):
-        entry = self._facts.get(id(t))
-        if entry is None or entry[0]() is not t:
-            return None
-        version = _version(t)
-        return entry[2] if version is not None and version == entry[1] else None
+        self._facts = TensorFacts(max_entries=64)
 
     def facts(self, named) -> list | None:
         """[(last, longest)] for (name, tensor) pairs, reading every unknown tensor in one copy;
         None while a CUDA graph is being captured. Raises ValueError naming a malformed tensor."""
         unknown = {}
         for name, t in named:
-            if self._known(t) is None:
+            if self._facts.get(t) is None:
                 unknown.setdefault(id(t), (name, t))  # one tensor passed twice is read once
         found = {}
         if unknown:
@@ -103,8 +80,6 @@ class _CheckedLengths:
             if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
                 return None
             values = (torch.cat(tensors) if len(tensors) > 1 else tensors[0]).cpu().long()
-            if len(self._facts) >= self._MAX_ENTRIES:
-                self._facts.clear()
             for (name, t), part in zip(unknown.values(), values.split([t.numel() for t in tensors])):
                 lengths = part.diff()
                 if part[0] != 0:
@@ -114,8 +89,8 @@ class _CheckedLengths:
                     raise ValueError(f"{name} must be non-decreasing (cumulative lengths), got entry {i + 1} = "
                                      f"{part[i + 1].item()} after {part[i].item()}")
                 found[id(t)] = (part[-1].item(), lengths.max().item() if lengths.numel() else 0)
-                self._facts[id(t)] = (weakref.ref(t), _version(t), found[id(t)])
-        return [found[id(t)] if id(t) in found else self._known(t) for _, t in named]
+                self._facts.remember(found[id(t)], t)
+        return [found[id(t)] if id(t) in found else self._facts.get(t) for _, t in named]
 
 
 _CHECKED = _CheckedLengths()
@@ -164,30 +139,23 @@ class _LongestFirst:
     sequences (the longest programs) start first and those of short ones fill the tail. Length is
     query plus key tokens; ties keep batch order. Computed on the device, so no value is read back.
 
-    Kept like `_CheckedLengths`'s facts (weak references and version counters of both cu_seqlens
-    tensors), so the layers of a model that share one batch compute it once; computed per call
-    for tensors without version counters and while a CUDA graph is being captured.
+    Kept like `_CheckedLengths`'s facts (`tensor_facts`: both cu_seqlens tensors, weakly, with
+    their version counters), so the layers of a model that share one batch compute it once;
+    computed per call for tensors without version counters and while a CUDA graph is being
+    captured.
     """
 
-    _MAX_ENTRIES = 64
-
     def __init__(self):
-        self._orders: dict = {}
+        self._orders = TensorFacts(max_entries=64)
 
     def __call__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-        key = (id(cu_seqlens_q), id(cu_seqlens_k))
-        versions = (_version(cu_seqlens_q), _version(cu_seqlens_k))
-        entry = self._orders.get(key)
-        if (entry is not None and entry[0]() is cu_seqlens_q and entry[1]() is cu_seqlens_k and None not in versions
-                and entry[2] == versions):
-            return entry[3]
+        order = self._orders.get(cu_seqlens_q, cu_seqlens_k)
+        if order is not None:
+            return order
         lengths = cu_seqlens_q.diff() + cu_seqlens_k.diff()
         order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
-        capturing = cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if None not in versions and not capturing:
-            if len(self._orders) >= self._MAX_ENTRIES:
-                self._orders.clear()
-            self._orders[key] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), versions, order)
+        if not (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._orders.remember(order, cu_seqlens_q, cu_seqlens_k)
         return order
 
 

@@ -12,13 +12,12 @@ Triton's CPU interpreter.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..device import info_for
 from ..float8 import FP8_DTYPE, FP8_MAX, check_fp8_device
 from ..launch import KernelLauncher, PlanCache
+from ..tensor_facts import TensorFacts
 from . import configs, routing
 from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, quantize_groups_kernel
 
@@ -123,16 +122,8 @@ def check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activ
     check_fp8_device("FP8 experts", hidden_states)
 
 
-# Scales tensors already found finite and positive: id -> (a weak reference to the tensor, its
-# version counter, its shape and storage address then). A tensor is read back once, and again only
-# after it is written to in place (its version moves). The weak reference, not the address, names
-# the tensor: a new tensor allocated where a validated one was freed is checked afresh.
-_VALIDATED: dict = {}
-_MAX_VALIDATED = 256
-
-
-def _stamp(s) -> tuple:
-    return s._version, tuple(s.shape), s.data_ptr()
+# Scales tensors already found finite and positive (read once each, as `tensor_facts` says).
+_VALIDATED = TensorFacts(max_entries=256)
 
 
 def check_scales_finite(w1_scale, w2_scale) -> None:
@@ -140,15 +131,11 @@ def check_scales_finite(w1_scale, w2_scale) -> None:
     refused. The values are read back (a host synchronisation) the first time a scales tensor is
     seen and after each in-place change, never while a CUDA graph is being captured."""
     for name, s in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
-        seen = _VALIDATED.get(id(s))
-        if (seen is not None and seen[0]() is s and seen[1] == _stamp(s)) or (
-                s.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if _VALIDATED.get(s) is not None or (s.is_cuda and torch.cuda.is_current_stream_capturing()):
             continue
         if not bool(((s > 0) & torch.isfinite(s)).all()):
             raise ValueError(f"{name} has a non-finite, zero or negative scale")
-        if len(_VALIDATED) >= _MAX_VALIDATED:
-            _VALIDATED.clear()
-        _VALIDATED[id(s)] = (weakref.ref(s), _stamp(s))
+        _VALIDATED.remember(True, s)
 
 
 class _FP8Plan:
