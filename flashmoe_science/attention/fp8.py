@@ -165,7 +165,7 @@ def hadamard_rotate(q: torch.Tensor, k: torch.Tensor, *, seed: int = 0) -> tuple
     return (q.float() @ r).to(q.dtype), (k.float() @ r).to(k.dtype)
 
 
-def _quantize(x: torch.Tensor, heads_kv: int, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_kv_head(x: torch.Tensor, heads_kv: int, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in FP8, descale (B, heads_kv)): one scale per batch entry (sequence, for a packed x with
     `cu_seqlens`) and KV head, over the head's group of heads, its largest magnitude mapped to
     FP8_MAX. x: (B, H, S, D), or packed (total, H, D)."""
@@ -219,6 +219,6 @@ def fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, r
         raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of k's ({heads_kv}), and v must have k's")
     if rotate:
         q, k = hadamard_rotate(q, k, seed=seed)
-    (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, heads_kv, cu) for t, cu in
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_per_kv_head(t, heads_kv, cu) for t, cu in
                                     ((q, cu_seqlens_q), (k, cu_seqlens_k), (v, cu_seqlens_k)))
     return dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)

@@ -21,6 +21,7 @@ import itertools
 import torch
 
 from ..attention import attention_reference, flash_attention_science, fp8_attention_inputs
+from ..float8 import FP8_DTYPE, FP8_MAX
 from ..flops import attention_flops
 from .attention import HIDDEN, TOKENS, _null, _sdpa_backends, head_dim_pairs, ints, make_inputs
 from .common import rel_error
@@ -43,8 +44,8 @@ def _per_tensor(q, k, v) -> dict:
     """FP8 inputs with one scale per tensor (the baseline FlashAttention-3 compares with)."""
     inputs = {}
     for name, t in (("q", q), ("k", k), ("v", v)):
-        scale = t.abs().amax().float().clamp_min(1e-30) / 448.0
-        inputs[name] = (t.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = t.abs().amax().float().clamp_min(1e-30) / FP8_MAX
+        inputs[name] = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         inputs[f"{name}_descale"] = scale.expand(k.shape[0], k.shape[1]).contiguous()
     return inputs
 
