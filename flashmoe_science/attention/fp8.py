@@ -118,7 +118,9 @@ def fp8_value_tiles(v: torch.Tensor) -> torch.Tensor:
     out = torch.empty((batch, heads, head_dim, padded), dtype=v.dtype, device=v.device)
     if out.numel():
         source = v.view(torch.uint8)  # bytes: the copy converts nothing
-        _VALUE_TILES.launch(None, (batch * heads, -(-padded // VALUE_TILE_KEYS), 1),
+        # What the build specialises on (shape, strides, alignment): the launcher's cache key.
+        key = (tuple(v.shape), v.stride(), v.data_ptr() % 16, v.device)
+        _VALUE_TILES.launch(key, (batch * heads, -(-padded // VALUE_TILE_KEYS), 1),
                             (source, out.view(torch.uint8), *source.stride(), heads, seqlen, padded, head_dim,
                              head_dim_block(head_dim), VALUE_TILE_KEYS),
                             num_warps=4, num_stages=1, device_index=v.device.index if v.is_cuda else None)
