@@ -144,6 +144,23 @@ def test_quantization_helper_round_trips(device):
     assert torch.allclose(inputs["v"].float().abs().amax(dim=(2, 3)), torch.full((2, 2), FP8_MAX, device=device))
 
 
+@pytest.mark.parametrize("chunk", [1 << 28, 200, 1], ids=["whole", "heads", "one_head"])
+def test_quantization_in_slices_matches_at_once(chunk, monkeypatch, device):
+    """Large tensors are quantised a few (batch entry, KV head) slices at a time: the same values
+    and descales as at once, on a strided view (a cache's (B, S, Hkv, D) seen as (B, Hkv, S, D))."""
+    from flashmoe_science.attention import fp8
+
+    cache = torch.randn(3, 10, 4, 8, device=device) * torch.tensor([1.0, 100.0, 0.0, 1e-3], device=device)[:, None]
+    x = cache.transpose(1, 2)
+    expected, expected_descale = fp8.quantize_per_kv_head(x, 2)
+    monkeypatch.setattr(fp8, "_QUANTIZE_CHUNK", chunk)
+    got, descale = fp8.quantize_per_kv_head(x, 2)
+    assert got.stride() == x.stride() and got.dtype == FP8_DTYPE
+    assert torch.equal(got.float(), expected.float()) and torch.equal(descale, expected_descale)
+    amax = x.unflatten(1, (2, 2)).abs().amax(dim=(2, 3, 4))
+    assert torch.equal(descale, torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 192, 80])
 def test_hadamard_rotation_is_orthogonal_and_keeps_scores(head_dim, device):
     r = hadamard_matrix(head_dim, seed=3, dtype=torch.float64)

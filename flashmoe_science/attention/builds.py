@@ -84,10 +84,13 @@ def _decode_builds(capability: int):
 
     ptr = {2: "*fp16", 4: "*fp32"}
     fp8 = capability >= FP8_MIN_CAPABILITY
-    for element_size, block_d, cfg in decode_configs():
-        variants = [(False, False, NO_SCALES.value), (True, True, NO_SCALES.value)]
-        if fp8 and element_size == 2:
-            variants += [(False, False, HEAD_SCALES.value), (True, True, TOKEN_SCALES.value)]
+    plain = [(False, False, NO_SCALES.value), (True, True, NO_SCALES.value)]
+    fp8_caches = [(False, False, HEAD_SCALES.value), (True, True, TOKEN_SCALES.value)]
+    builds = [(element_size, block_d, cfg, plain) for element_size, block_d, cfg in decode_configs()]
+    if fp8:
+        builds += [(2, block_d, cfg, fp8_caches) for element_size, block_d, cfg in decode_configs(1)
+                   if element_size == 2]
+    for element_size, block_d, cfg, variants in builds:
         for paged, softcap, scales in variants:
             cache = "*fp8e4nv" if scales else ptr[element_size]
             sig = {name: "i32" for name in attention_decode_split_kernel.arg_names}

@@ -426,18 +426,26 @@ def dkdv_maxnreg(dkdv: AttentionConfig, tma: bool, softcap: bool, varlen: bool) 
 # padded head dim above 128 halves it, one of 64 or less doubles it. H100 sweep at D = 128, bf16
 # (benchmarks/results/attention_decode_sweep.json): 64 keys, 4 warps, 2 stages within 3% of the
 # fastest tile from one sequence of 64k keys to 128 sequences of 2k (81 to 96% of the copy
-# bandwidth), and the split count `decode_splits` picks within 2% of the fastest split count
-# wherever the GPU time is not bound by the host.
+# bandwidth). An FP8 cache (1-byte K and V, read into q's dtype) takes one stage more
+# (DECODE_FP8_CACHE_EXTRA_STAGES): half the bytes a step must keep more steps in flight (H100, bf16
+# q, D = 64 and 128: 4 to 20% faster than 2 stages; experiment decode_latency, device call 2).
 DECODE = {2: AttentionConfig(64, 64, 4, 2), 4: AttentionConfig(32, 32, 4, 2)}
+DECODE_FP8_CACHE_EXTRA_STAGES = 1
 DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
 # The combine kernel: one program per row, the splits' partials DECODE_COMBINE_SPLITS at a time
 # ([16, 256] fp32 over four warps: 32 registers a thread), so one long sequence's many splits are
 # read by many programs in few loads rather than one after another.
 DECODE_COMBINE_SPLITS = 16
 DECODE_COMBINE_WARPS = 4
-# Split-KV aims at this many programs per SM, each split keeping at least this many key blocks.
+# Split-KV aims at DECODE_WAVES programs per SM. While the (batch, KV head, row block) tiles
+# alone leave SMs idle, a split may be one key block: one short sequence is bound by latency, and
+# many short splits beat few long ones. Once the tiles fill the SMs, each split keeps at least
+# DECODE_MIN_SPLIT_BLOCKS blocks, or the combine kernel costs more than the balance gains. H100,
+# bf16, 16 layers in a CUDA graph (split counts 1 to 64): B 1, Sk 1k, D 64: 8 splits 7.1 us, 2
+# splits 11.9; B 1, Sk 4k, D 128: 32 splits 13.1, 16 14.8; B 32, Sk 1k, D 128: 1 split 49.4, 2
+# splits 56.3; eager sweep (attention_decode_sweep.json): B 32, Sk 4k: 2 splits 193, 1 220.
 DECODE_WAVES = 2
-DECODE_MIN_SPLIT_BLOCKS = 4
+DECODE_MIN_SPLIT_BLOCKS = 16
 # Dense calls whose query rows per KV head (Sq x group) fit one decode tile, against at least this
 # many keys (and 8 per query), take the KV-cache kernels (`forward.ForwardPlan`): one program per
 # (batch, head, query block) would leave most SMs idle and read each group's K and V once per head.
@@ -450,29 +458,34 @@ def takes_decode(element_size: int, seqlen_q: int, group_size: int, seqlen_k: in
             and seqlen_k >= 8 * seqlen_q)
 
 
-def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int) -> AttentionConfig:
-    """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head)."""
+def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int,
+                  cache_element_size: int | None = None) -> AttentionConfig:
+    """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head), q of
+    `element_size` bytes, the cache of `cache_element_size` (q's when None; 1 for FP8)."""
     base = DECODE[element_size]
     limit = DECODE_MAX_BLOCK_M[element_size] if block_d <= 128 else 16 if element_size == 4 else 32
     block_m = min(limit, max(16, 1 << max(rows - 1, 0).bit_length()))
     block_n = base.block_n * 2 if block_d <= 64 else base.block_n if block_d <= 128 else base.block_n // 2
-    return AttentionConfig(block_m, block_n, base.num_warps, base.num_stages)
+    stages = base.num_stages + (DECODE_FP8_CACHE_EXTRA_STAGES if cache_element_size == 1 else 0)
+    return AttentionConfig(block_m, block_n, base.num_warps, stages)
 
 
 def decode_splits(device: DeviceInfo, tiles: int, capacity: int, block_n: int) -> int:
-    """How many key ranges split-KV cuts each sequence's cache into: enough programs for
-    DECODE_WAVES per SM over `tiles` (batch x KV heads x row blocks), each range at least
-    DECODE_MIN_SPLIT_BLOCKS key blocks of a cache of `capacity` tokens."""
-    wanted = -(-DECODE_WAVES * device.sm_count // max(tiles, 1))
-    most = max(1, capacity // (DECODE_MIN_SPLIT_BLOCKS * block_n))
-    return max(1, min(wanted, most, 128))
+    """How many key ranges split-KV cuts each sequence's cache of `capacity` tokens into: enough
+    programs for DECODE_WAVES per SM over `tiles` (batch x KV heads x row blocks), each range at
+    least one key block while the tiles leave SMs idle, DECODE_MIN_SPLIT_BLOCKS once they do not."""
+    tiles = max(tiles, 1)
+    wanted = -(-DECODE_WAVES * device.sm_count // tiles)
+    least = 1 if tiles < device.sm_count else DECODE_MIN_SPLIT_BLOCKS
+    return max(1, min(wanted, -(-capacity // block_n) // least, 128))
 
 
-def decode_configs():
-    """Every (element size, padded head dim, config) the KV-cache dispatcher can pick."""
+def decode_configs(cache_element_size: int | None = None):
+    """Every (q's element size, padded head dim, config) the KV-cache dispatcher can pick, for
+    caches of q's dtype (None) or of `cache_element_size` bytes."""
     for element_size, block_d in product((2, 4), (16, 32, 64, 128, 256)):
         for rows in (16, 32, 64):
-            cfg = decode_config(None, element_size, block_d, rows)
+            cfg = decode_config(None, element_size, block_d, rows, cache_element_size)
             if cfg.block_m == rows:
                 yield element_size, block_d, cfg
 

@@ -186,7 +186,8 @@ class DecodePlan:
         group = heads_q // heads_kv
         self.rows = seqlen_q * group
         self.block_d = head_dim_block(head_dim)
-        cfg = self.config = config or decode_config(info_for(q), q.element_size(), self.block_d, self.rows)
+        cfg = self.config = config or decode_config(info_for(q), q.element_size(), self.block_d, self.rows,
+                                                    k_cache.element_size())
         self.block_m = cfg.block_m
         num_m_blocks = cdiv(self.rows, self.block_m)
         self.rows_padded = num_m_blocks * self.block_m

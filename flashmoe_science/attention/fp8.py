@@ -167,16 +167,22 @@ def hadamard_rotate(q: torch.Tensor, k: torch.Tensor, *, seed: int = 0) -> tuple
     return (q.float() @ r).to(q.dtype), (k.float() @ r).to(k.dtype)
 
 
+# Elements quantize_per_kv_head converts at once: its fp32 temporaries stay near 1 GiB however
+# large the tensor (a serving-sized KV cache is tens of GiB in bf16).
+_QUANTIZE_CHUNK = 1 << 28
+
+
+def _quantize(grouped: torch.Tensor, expand: torch.Tensor) -> torch.Tensor:
+    return (grouped.float() / expand).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def quantize_per_kv_head(x: torch.Tensor, heads_kv: int, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in FP8, descale (B, heads_kv)): one scale per batch entry (sequence, for a packed x with
     `cu_seqlens`) and KV head, over the head's group of heads, its largest magnitude mapped to
-    FP8_MAX. x: (B, H, S, D), or packed (total, H, D)."""
+    FP8_MAX. x: (B, H, S, D), or packed (total, H, D); the result keeps x's strides. A dense x is
+    converted a few (batch entry, KV head) slices at a time."""
     grouped = x.unflatten(1, (heads_kv, x.shape[1] // heads_kv))
-    if cu_seqlens is None:
-        batch = x.shape[0]
-        amax = grouped.abs().amax(dim=(2, 3, 4)).float() if x.numel() else x.new_zeros((batch, heads_kv),
-                                                                                        dtype=torch.float32)
-    else:  # (total, Hkv, G, D): each token's largest magnitude, then each sequence's
+    if cu_seqlens is not None:  # (total, Hkv, G, D): each token's largest magnitude, then each sequence's
         batch = cu_seqlens.numel() - 1
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         sequence = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths)
@@ -184,10 +190,25 @@ def quantize_per_kv_head(x: torch.Tensor, heads_kv: int, cu_seqlens=None) -> tup
                                                                                            dtype=torch.float32)
         amax = torch.zeros((batch, heads_kv), dtype=torch.float32, device=x.device).scatter_reduce_(
             0, sequence[:, None].expand(-1, heads_kv), token_amax, reduce="amax")
-    descale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    expand = descale[:, :, None, None, None] if cu_seqlens is None else descale[sequence][:, :, None, None]
-    scaled = grouped.float() / expand
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(1, 2), descale
+        descale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return _quantize(grouped, descale[sequence][:, :, None, None]).flatten(1, 2), descale
+    out = torch.empty_like(x, dtype=FP8_DTYPE)
+    out_grouped = out.unflatten(1, grouped.shape[1:3])
+    batch = x.shape[0]
+    descale = torch.ones((batch, heads_kv), dtype=torch.float32, device=x.device)
+    per_head = max(grouped[0, 0].numel(), 1) if batch and heads_kv else 1
+    heads_at_once = max(1, min(heads_kv, _QUANTIZE_CHUNK // per_head))
+    batch_at_once = max(1, _QUANTIZE_CHUNK // (per_head * heads_kv)) if heads_at_once == heads_kv else 1
+    for b in range(0, batch, batch_at_once):
+        for h in range(0, heads_kv, heads_at_once):
+            part = grouped[b:b + batch_at_once, h:h + heads_at_once]
+            if not part.numel():
+                continue
+            amax = part.abs().amax(dim=(2, 3, 4)).float()
+            scale = descale[b:b + batch_at_once, h:h + heads_at_once]
+            scale.copy_(torch.where(amax > 0, amax / FP8_MAX, scale))
+            out_grouped[b:b + batch_at_once, h:h + heads_at_once] = _quantize(part, scale[:, :, None, None, None])
+    return out, descale
 
 
 def fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotate: bool = False,

@@ -122,6 +122,7 @@ def run(args, device) -> list[dict]:
                 t = timings[row["impl"]] = time_gpu(ours, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
                 row.update(us=t.median_ms * 1e3, floor_us=floor_ms * 1e3, copy_fraction=floor_ms / t.median_ms)
             ours_rows.append(row)
+        k_pages = v_pages = table = None  # the largest cases fit the GPU only one copy at a time
         # An FP8 (e4m3) copy of the contiguous cache, one descale per sequence and KV head: half the bytes.
         (k8, k_descale), (v8, v_descale) = _fp8_cache(k_cache), _fp8_cache(v_cache)
 
