@@ -475,3 +475,41 @@ def test_fp8_varlen_matches_each_sequence(causal, device, poisoned_allocations):
     with pytest.raises(ValueError, match=r"q_descale must have shape \(batch, heads_kv\) = \(4, 2\)"):
         flash_attention_varlen(packed["q"], packed["k"], packed["v"], cu_q, cu_k, max(lengths_q), max(lengths_k),
                                **{**descales, "q_descale": torch.ones(3, 2, device=device)})
+
+
+@pytest.mark.parametrize("v_layout", ["heads_first", "d_strided"])
+def test_fp8_under_torch_compile_equals_eager(v_layout, device):
+    """fullgraph torch.compile traces FP8 calls through the forward custom ops (descales as an
+    argument, bf16 out): the same output, lse and output layout as eager, dense and packed."""
+    from flashmoe_science import flash_attention_varlen
+
+    q, k, v = (torch.randn(2, 40, 4 if name == "q" else 2, 32, device=device).transpose(1, 2) for name in "qkv")
+    inputs = fp8_attention_inputs(q, k, v)
+    if v_layout == "d_strided":  # v's head dim not of unit stride: the output is contiguous
+        inputs["v"] = inputs["v"].transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    def dense(q, k, v, q_descale, k_descale, v_descale):
+        return flash_attention_science(q, k, v, True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                       return_lse=True)
+
+    eager = dense(**inputs)
+    compiled = torch.compile(dense, fullgraph=True, backend="aot_eager")(**inputs)
+    for ours, theirs in zip(compiled, eager):
+        assert ours.dtype == theirs.dtype and ours.stride() == theirs.stride() and torch.equal(ours, theirs)
+    assert eager[0].dtype == torch.bfloat16
+
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
+    packed = {name: inputs[name][:1].transpose(1, 2).reshape(40, -1, 32) for name in "qkv"}
+    descales = {f"{n}_descale": inputs[f"{n}_descale"][:1].expand(2, -1).contiguous() for n in "qkv"}
+
+    def varlen(q, k, v, q_descale, k_descale, v_descale):
+        return flash_attention_varlen(q, k, v, cu, cu, 23, 23, causal=True, q_descale=q_descale,
+                                      k_descale=k_descale, v_descale=v_descale, return_lse=True)
+
+    eager = varlen(**packed, **descales)
+    compiled = torch.compile(varlen, fullgraph=True, backend="aot_eager")(**packed, **descales)
+    for ours, theirs in zip(compiled, eager):
+        assert ours.dtype == theirs.dtype and ours.stride() == theirs.stride() and torch.equal(ours, theirs)
+    with pytest.raises(RuntimeError, match="forward only"):
+        torch.compile(dense, fullgraph=True, backend="aot_eager")(
+            **{**inputs, "q": inputs["q"].float().requires_grad_().to(FP8_DTYPE)})

@@ -77,8 +77,10 @@ class ForwardPlan:
         self.contiguous = q.stride(-1) != 1 or k.stride(-1) != 1 or (v.stride(-1) != 1 and not self.fp8)
         # The output is q's shape with v's head dim, its dimensions in the memory order of the q
         # the kernel runs on (`output_like`; a contiguous copy where `contiguous`).
+        # FP8's v of another stride makes the output contiguous too, as for 16-bit inputs, whichever
+        # kernel runs: one rule, which the custom op's fake implementation (`ops.py`) repeats.
         self.out_shape = (*q.shape[:-1], head_dim_v)
-        self.out_strides = dense_strides(self.out_shape, None if self.contiguous else q.stride())
+        self.out_strides = dense_strides(self.out_shape, None if self.contiguous or v.stride(-1) != 1 else q.stride())
         self.empty = q.numel() == 0
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.softcap = float(softcap)
@@ -259,7 +261,7 @@ def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_
             PLANS.remember(key, plan)
     if plan.fp8 != (descales is not None):  # a cached plan's fast path too: never FP8 bytes read as 16-bit
         raise TypeError("FP8 q, k, v run through flash_attention_science or flash_attention_forward with their "
-                        "descales (eager; not under torch.compile); other dtypes take no descales")
+                        "descales; other dtypes take no descales")
     return launch_forward(plan, key, q, k, v, None, None, softmax_scale, write_lse, descales=descales)
 
 

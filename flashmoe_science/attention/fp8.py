@@ -91,12 +91,8 @@ def fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale, packed
     return torch.stack([ones if t is None else t for t in columns], dim=-1)
 
 
-def refuse_fp8_autograd_and_compile(q, k, v) -> None:
-    """FP8 attention is an eager forward: clear errors under torch.compile and for tensors that
-    require grad."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError("FP8 attention runs eagerly only; call it outside torch.compile "
-                           "(torch.compiler.disable) for now")
+def refuse_fp8_gradients(q, k, v) -> None:
+    """FP8 attention is a forward: a clear error for tensors that require grad."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("FP8 attention is forward only: q, k and v must not require grad")
 

@@ -13,7 +13,7 @@ import torch
 
 from .backward import attention_backward
 from .checks import NO_WINDOW, check_band, check_bool, check_flags, check_options
-from .fp8 import fp8_descales, refuse_fp8_autograd_and_compile
+from .fp8 import fp8_descales, refuse_fp8_gradients
 from .forward import attention_forward
 
 
@@ -125,7 +125,7 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
             q, k and v all in torch.float8_e4m3fn, and these float32 (B, Hkv) tensors (None: 1)
             the factors that turn the stored values into real ones, >= 0. Both products run on the
             FP8 tensor cores (sm89, sm90; sm80 and sm86 refuse), the output is bf16, lse as usual;
-            forward only (no gradients, not under torch.compile). `fp8_attention_inputs(q, k, v)`
+            forward only (no gradients; torch.compile traces it). `fp8_attention_inputs(q, k, v)`
             makes all six from 16-bit tensors.
 
     Any Sq, Sk >= 0 and any D, D_v from 16 to 256. Inputs may have any strides with unit stride in D
@@ -143,21 +143,22 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
     """
     check_flags(deterministic, return_lse)
     descales = fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale)
+    differentiable = False
     if descales is not None:
-        refuse_fp8_autograd_and_compile(q, k, v)
-        out, lse = attention_forward(q, k, v, causal, softmax_scale, return_lse, None, window_size, softcap, descales)
-        return (out, lse) if return_lse else out
-    try:
-        differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    except AttributeError:  # not tensors: the lean path's checks say which argument is wrong
-        differentiable = False
+        refuse_fp8_gradients(q, k, v)
+    else:
+        try:
+            differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        except AttributeError:  # not tensors: the lean path's checks say which argument is wrong
+            pass
     if torch.compiler.is_compiling():
         check_options(causal, softmax_scale)
         window_left, window_right = check_band(window_size, softcap)
         out, lse = torch.ops.flashmoe_science.attention_forward(q, k, v, causal, softmax_scale, window_left,
-                                                                window_right, float(softcap))
+                                                                window_right, float(softcap), descales)
     elif differentiable:
         out, lse = _AttentionFunction.apply(q, k, v, causal, softmax_scale, window_size, softcap)
     else:
-        out, lse = attention_forward(q, k, v, causal, softmax_scale, return_lse, None, window_size, softcap)
+        out, lse = attention_forward(q, k, v, causal, softmax_scale, return_lse, None, window_size, softcap,
+                                     descales)
     return (out, lse) if return_lse else out

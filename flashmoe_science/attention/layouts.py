@@ -37,14 +37,14 @@ def kernel_window(causal: bool, window_size) -> tuple[int, int]:
     return left, 0 if causal else right
 
 
-def output_like(q: torch.Tensor, head_dim: int | None = None) -> torch.Tensor:
+def output_like(q: torch.Tensor, head_dim: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A dense tensor shaped like q (with last dimension `head_dim` if given: v's, where it differs
-    from q's) whose dimensions lie in memory in the order of q's strides, so a (B, S, H,
+    from q's; of `dtype`, q's if None) whose dimensions lie in memory in the order of q's strides, so a (B, S, H,
     D).transpose(1, 2) view gets a (B, S, H, D) result: also when q is a slice of a packed QKV
     projection, where empty_like falls back to a contiguous (B, H, S, D) tensor and the caller's
     transpose back to (B, S, H * D) would cost a copy."""
     shape = q.shape if head_dim is None else (*q.shape[:-1], head_dim)
-    return torch.empty_strided(shape, dense_strides(shape, q.stride()), dtype=q.dtype, device=q.device)
+    return torch.empty_strided(shape, dense_strides(shape, q.stride()), dtype=dtype or q.dtype, device=q.device)
 
 
 def dense_strides(shape, strides=None) -> tuple:

@@ -25,7 +25,7 @@ from ._kernels.lengths import malformed_lengths_poison_kernel
 from .backward import BackwardPlan, launch_backward
 from .checks import NO_WINDOW, check_backward_tensors, check_band, check_flags, check_inputs, check_options, is_int
 from .forward import ForwardPlan, launch_forward
-from .fp8 import fp8_descales, refuse_fp8_autograd_and_compile
+from .fp8 import fp8_descales, refuse_fp8_gradients
 from .interface import gradients_from_context, refuse_double_backward, save_for_backward
 
 # (cumulative lengths argument, its max_seqlen argument, what it counts), for error messages.
@@ -193,8 +193,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         if key is not None:
             _FORWARD_PLANS.remember(key, plan)
     if plan.fp8 != (descales is not None):  # a cached plan's fast path too (as `forward.attention_forward`)
-        raise TypeError("FP8 q, k, v run through flash_attention_varlen with their descales (eager; not under "
-                        "torch.compile); other dtypes take no descales")
+        raise TypeError("FP8 q, k, v run through flash_attention_varlen with their descales; other dtypes take no "
+                        "descales")
     _check_lengths(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     out, lse = launch_forward(plan, key, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, write_lse,
                            longest_first(cu_seqlens_q, cu_seqlens_k), descales)
@@ -272,7 +272,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         deterministic: accepted for compatibility; the backward is always bitwise reproducible.
         q_descale, k_descale, v_descale: FP8 inputs, as for `flash_attention_science`: q, k and v
             in torch.float8_e4m3fn and float32 (batch, Hkv) descales, one per sequence and KV head
-            (None: 1); bf16 output, forward only, eager only.
+            (None: 1); bf16 output, forward only.
 
     The values of cu_seqlens are checked (ValueError for one that does not start at 0, decreases,
     ends at a count other than the tokens of q or k, or holds a sequence longer than its
@@ -290,25 +290,24 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_flags(deterministic, return_lse)
     packed_batch = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
     descales = fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale, packed_batch=packed_batch)
+    differentiable = False
     if descales is not None:
-        refuse_fp8_autograd_and_compile(q, k, v)
-        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, return_lse, window_size, softcap, descales)
-        return (out, lse) if return_lse else out
-    try:
-        differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    except AttributeError:  # not tensors: the checks say which argument is wrong
-        differentiable = False
+        refuse_fp8_gradients(q, k, v)
+    else:
+        try:
+            differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        except AttributeError:  # not tensors: the checks say which argument is wrong
+            pass
     if torch.compiler.is_compiling():
         check_options(causal, softmax_scale)
         window_left, window_right = check_band(window_size, softcap)
         out, lse = torch.ops.flashmoe_science.attention_varlen_forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-            window_right, float(softcap))
+            window_right, float(softcap), descales)
     elif differentiable:
         out, lse = _VarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                          softmax_scale, window_size, softcap)
     else:
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, return_lse, window_size, softcap)
+                                  softmax_scale, return_lse, window_size, softcap, descales)
     return (out, lse) if return_lse else out
