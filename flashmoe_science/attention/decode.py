@@ -343,6 +343,15 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     if torch.compiler.is_compiling():  # through the custom op (ops.py): one graph node, the caches mutated
         if not isinstance(cache_seqlens, torch.Tensor):
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens or 0), dtype=torch.int32, device=q.device)
+        # The op's descales are mutable arguments: never None and never one tensor twice. On the
+        # H100 with torch 2.11, compiled calls with None descales failed in the fake-tensor trace
+        # while those with descale tensors traced. A 16-bit cache passes empty placeholders, which
+        # the op ignores.
+        _, k_descale, v_descale = _cache_scales(q, k_cache, k_descale, v_descale)
+        if k_cache.dtype != FP8_DTYPE:
+            k_descale, v_descale = (q.new_empty((0,), dtype=torch.float32) for _ in range(2))
+        elif k_descale is v_descale:
+            v_descale = k_descale.clone()
         out, lse = torch.ops.flashmoe_science.attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, softmax_scale,
             window_size[0], window_size[1], float(softcap), int(num_splits), k_descale, v_descale)

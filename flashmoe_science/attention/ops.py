@@ -22,6 +22,7 @@ from torch import Tensor
 from . import decode, interface, varlen
 from .backward import attention_backward as _attention_backward
 from .forward import attention_forward as _attention_forward
+from ..float8 import FP8_DTYPE
 from .fp8 import FP8_OUT_DTYPE
 from .layouts import output_like
 
@@ -133,7 +134,10 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
                            softcap: float, num_splits: int, k_descale: Optional[Tensor] = None,
                            v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of `flash_attention_with_kvcache`; k and v, when given, are written into the
-    caches in place first (an FP8 cache's per-token descales too). Not differentiable."""
+    caches in place first (an FP8 cache's per-token descales too). Not differentiable. A 16-bit
+    cache's descales are ignored (the compiled call passes empty placeholders)."""
+    if k_cache.dtype != FP8_DTYPE:
+        k_descale = v_descale = None
     return decode._with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal,
                                 softmax_scale, (window_left, window_right), softcap, num_splits, True, k_descale,
                                 v_descale)
