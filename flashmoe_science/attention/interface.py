@@ -36,6 +36,19 @@ def gradients_from_context(ctx, grad_out, grad_lse, backward):
     return backward(grad_out, *tensors, *ctx.options, grad_lse)
 
 
+def records_gradients(q, k, v, descales) -> bool:
+    """Whether a forward call runs under autograd: grad mode on and q, k or v requiring grad (False
+    for arguments that are not tensors, which the checks then name). FP8 calls (`descales` given)
+    never do: an FP8 input that requires grad is an error."""
+    if descales is not None:
+        refuse_fp8_gradients(q, k, v)
+        return False
+    try:
+        return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    except AttributeError:
+        return False
+
+
 def refuse_double_backward(name: str) -> None:
     """The kernels' gradients have no graph of their own: a gradient penalty would silently
     drop dq's own dependence on q, k and v."""
@@ -143,14 +156,7 @@ def flash_attention_science(q, k, v, causal=False, softmax_scale=None, *, window
     """
     check_flags(deterministic, return_lse)
     descales = fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale)
-    differentiable = False
-    if descales is not None:
-        refuse_fp8_gradients(q, k, v)
-    else:
-        try:
-            differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        except AttributeError:  # not tensors: the lean path's checks say which argument is wrong
-            pass
+    differentiable = records_gradients(q, k, v, descales)
     if torch.compiler.is_compiling():
         check_options(causal, softmax_scale)
         window_left, window_right = check_band(window_size, softcap)

@@ -25,8 +25,8 @@ from ._kernels.lengths import malformed_lengths_poison_kernel
 from .backward import BackwardPlan, launch_backward
 from .checks import NO_WINDOW, check_backward_tensors, check_band, check_flags, check_inputs, check_options, is_int
 from .forward import ForwardPlan, launch_forward
-from .fp8 import fp8_descales, refuse_fp8_gradients
-from .interface import gradients_from_context, refuse_double_backward, save_for_backward
+from .fp8 import fp8_descales
+from .interface import gradients_from_context, records_gradients, refuse_double_backward, save_for_backward
 
 # (cumulative lengths argument, its max_seqlen argument, what it counts), for error messages.
 _LENGTHS = (("cu_seqlens_q", "max_seqlen_q", "query"), ("cu_seqlens_k", "max_seqlen_k", "key"))
@@ -290,14 +290,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_flags(deterministic, return_lse)
     packed_batch = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
     descales = fp8_descales(q, k, v, q_descale, k_descale, v_descale, softmax_scale, packed_batch=packed_batch)
-    differentiable = False
-    if descales is not None:
-        refuse_fp8_gradients(q, k, v)
-    else:
-        try:
-            differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        except AttributeError:  # not tensors: the checks say which argument is wrong
-            pass
+    differentiable = records_gradients(q, k, v, descales)
     if torch.compiler.is_compiling():
         check_options(causal, softmax_scale)
         window_left, window_right = check_band(window_size, softcap)
