@@ -19,10 +19,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..float8 import FP8_DTYPE
 from . import decode, interface, varlen
 from .backward import attention_backward as _attention_backward
 from .forward import attention_forward as _attention_forward
-from ..float8 import FP8_DTYPE
 from .fp8 import FP8_OUT_DTYPE
 from .layouts import output_like
 
