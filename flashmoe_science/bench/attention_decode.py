@@ -27,6 +27,9 @@ from .timing import speedup_interval, time_gpu
 BATCHES = (1, 8, 32, 64, 128)
 SEQLENS = (1024, 4096, 8192, 32768, 65536, 131072)
 HEADS = ((32, 8, 128), (32, 32, 128), (32, 8, 64))  # (Hq, Hkv, D)
+# (B, Sk, (Hq, Hkv, D)) cases beyond the grid: a Qwen3-30B-A3B decode step's attention at B 1 and
+# 32 with 4k cached tokens, whose GRAPH_LAYERS-call graph is the attention of a whole step.
+MODEL_CASES = ((1, 4096, (32, 4, 128)), (32, 4096, (32, 4, 128)))
 PAGE_SIZES = (0, 16, 256)  # 0: contiguous
 MAX_CACHE_BYTES = 16 << 30  # K and V of one case, to leave room for SDPA's copies
 GRAPH_LAYERS = 32
@@ -94,6 +97,7 @@ def run(args, device) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     cases = [(b, s, h) for h in grid["heads"] for b in grid["batches"] for s in grid["seqlens"]
              if 2 * b * s * h[1] * h[2] * 2 <= MAX_CACHE_BYTES]
+    cases += [] if args.quick or not gpu else list(MODEL_CASES)
     rows = []
     for batch, seqlen, (heads_q, heads_kv, dim) in args.progress(cases, desc="attention decode"):
         q = torch.randn(batch, 1, heads_q, dim, dtype=dtype, device=device)
