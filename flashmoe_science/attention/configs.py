@@ -422,14 +422,17 @@ def dkdv_maxnreg(dkdv: AttentionConfig, tma: bool, softcap: bool, varlen: bool) 
 # from 16 holding them, up to DECODE_MAX_BLOCK_M (fp32 32, and 16 above head dim 128: 3xTF32
 # products hold each operand twice; 32 x 256 needed 102400 bytes of shared memory, over the
 # 99 KB parts' limit; 16-bit 64, and 32 above head dim 128: the 64 x 256 tile writing its output
-# directly (one split) spilled 268-300 bytes on sm80-sm89). BLOCK_N keeps each step's K and V tiles near the D = 128 tiles' bytes: a
-# padded head dim above 128 halves it, one of 64 or less doubles it. H100 sweep at D = 128, bf16
-# (benchmarks/results/attention_decode_sweep.json): 64 keys, 4 warps, 2 stages within 3% of the
-# fastest tile from one sequence of 64k keys to 128 sequences of 2k (81 to 96% of the copy
-# bandwidth). An FP8 cache (1-byte K and V, read into q's dtype) takes one stage more
-# (DECODE_FP8_CACHE_EXTRA_STAGES): half the bytes a step must keep more steps in flight (H100, bf16
-# q, eager calls: B 32, Sk 8k, D 128 240 us against 302 for 2
-# stages; B 64, Sk 4k, D 64 146 against 163).
+# directly (one split) spilled 268-300 bytes on sm80-sm89). BLOCK_N keeps each step's K and V
+# tiles near the D = 128 tiles' bytes: a padded head dim above 128 halves it, one of 64 or less
+# doubles it. H100 sweeps, bf16, GPU time per call in CUDA graphs
+# (benchmarks/results/attention_decode_sweep.json, attention_decode_sweep_d64.json): at D = 128,
+# 64 keys, 4 warps, 2 stages within 4% of the fastest of 34 tiles from one sequence of 64k keys
+# to 128 sequences of 2k, paged and MHA included (87 to 98% of the copy bandwidth where bound by
+# it); at D = 64, 128 keys within 6% (B 32, Sk 4k: 108 us against 102 for 256 keys and one
+# split); no other tile is fastest in more than two cases. An FP8 cache (1-byte K and V, read
+# into q's dtype) takes one stage more (DECODE_FP8_CACHE_EXTRA_STAGES): half the bytes a step must
+# keep more steps in flight (H100, bf16 q, eager calls: B 32, Sk 8k, D 128 240 us against 302 for
+# 2 stages; B 64, Sk 4k, D 64 146 against 163).
 DECODE = {2: AttentionConfig(64, 64, 4, 2), 4: AttentionConfig(32, 32, 4, 2)}
 DECODE_FP8_CACHE_EXTRA_STAGES = 1
 DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
@@ -444,7 +447,9 @@ DECODE_COMBINE_WARPS = 4
 # DECODE_MIN_SPLIT_BLOCKS blocks, or the combine kernel costs more than the balance gains. H100,
 # bf16, 16 layers in a CUDA graph (split counts 1 to 64): B 1, Sk 1k, D 64: 8 splits 7.1 us, 2
 # splits 11.9; B 1, Sk 4k, D 128: 32 splits 13.1, 16 14.8; B 32, Sk 1k, D 128: 1 split 49.4, 2
-# splits 56.3; eager sweep (attention_decode_sweep.json): B 32, Sk 4k: 2 splits 193, 1 220.
+# splits 56.3. The sweep's split phase (attention_decode_sweep.json) finds the heuristic's count
+# fastest or within 1% at D = 128 from B 1 to 128 (B 32, Sk 4k: 2 splits 197 us, 1 223; B 8, Sk 8k:
+# 5 splits 102, 4 102), the paged B 8, Sk 8k excepted (5 splits 110, 8 106).
 DECODE_WAVES = 2
 DECODE_MIN_SPLIT_BLOCKS = 16
 # Dense calls whose query rows per KV head (Sq x group) fit one decode tile, against at least this

@@ -22,7 +22,7 @@ import torch
 from ..attention import attention_reference, flash_attention_with_kvcache
 from ..attention.fp8 import quantize_per_kv_head
 from .common import measure_copy_bandwidth, rel_error
-from .timing import speedup_interval, time_gpu
+from .timing import graph_replay, speedup_interval, time_gpu
 
 BATCHES = (1, 8, 32, 64, 128)
 SEQLENS = (1024, 4096, 8192, 32768, 65536, 131072)
@@ -73,18 +73,11 @@ def _fp8_cache(cache):
     return quantized.transpose(1, 2).contiguous(), descale
 
 
-def _graph_us(call, caches, args) -> float:
-    """GPU time per layer of one CUDA graph of `call(k_cache, v_cache)` over each layer's caches."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(*caches[0])  # compiled and warm before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for k_cache, v_cache in caches:
-            call(k_cache, v_cache)
-    t = time_gpu(graph.replay, warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
+def graph_us_per_call(call, caches, *, warmup_ms, rep_ms, repeats) -> float:
+    """GPU time per call of one CUDA graph of `call(k_cache, v_cache)` over each layer's caches
+    (each layer's own, so the L2 holds none of the next one's)."""
+    replay = graph_replay(lambda: [call(k_cache, v_cache) for k_cache, v_cache in caches])
+    t = time_gpu(replay, warmup_ms=warmup_ms, rep_ms=rep_ms, repeats=repeats)
     return t.median_ms * 1e3 / len(caches)
 
 
@@ -167,9 +160,10 @@ def run(args, device) -> list[dict]:
                 caches = [(k_cache, v_cache)] + [
                     (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(GRAPH_LAYERS - 1)]
                 backend = _sdpa_backends()[name]
-                ours_rows[0]["graph_us"] = _graph_us(
-                    lambda k, v: flash_attention_with_kvcache(q, k, v, cache_seqlens=lengths), caches, args)
-                sdpa_row["graph_us"] = _graph_us(lambda k, v: _sdpa(backend, q, k, v), caches, args)
+                timing = dict(warmup_ms=args.warmup, rep_ms=args.rep, repeats=args.repeats)
+                ours_rows[0]["graph_us"] = graph_us_per_call(
+                    lambda k, v: flash_attention_with_kvcache(q, k, v, cache_seqlens=lengths), caches, **timing)
+                sdpa_row["graph_us"] = graph_us_per_call(lambda k, v: _sdpa(backend, q, k, v), caches, **timing)
                 ours_rows[0]["graph_speedup_vs_sdpa"] = sdpa_row["graph_us"] / ours_rows[0]["graph_us"]
                 del caches
         args.checkpoint(rows)

@@ -54,7 +54,7 @@ from ..moe.fp8 import quantize_fp8_blockwise, quantize_fp8_per_channel
 from ..moe.reference import (fused_experts_torch, fused_moe_grouped_mm, fused_moe_scaled_grouped_mm,
                              fused_moe_torch, moe_route_torch)
 from . import common, moe_training
-from .timing import speedup_interval, time_gpu, time_wall
+from .timing import graph_replay, speedup_interval, time_gpu, time_wall
 
 # name: (E, top_k, H, I)
 SHAPES = {
@@ -149,20 +149,6 @@ def _scaled_gmm_unavailable(device) -> str | None:
     except Exception as exc:  # recorded in the results instead of failing the run
         return f"torch._scaled_grouped_mm failed: {type(exc).__name__}: {exc}"[:300]
     return None
-
-
-def graph_replay(fn):
-    """fn captured in a CUDA graph; returns the replay (time it for GPU time without the host)."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _setup(args):

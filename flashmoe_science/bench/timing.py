@@ -59,6 +59,21 @@ def time_gpu(fn, *, warmup_ms: float = 25, rep_ms: float = 100, repeats: int = 5
         [do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") for _ in range(repeats)])
 
 
+def graph_replay(fn):
+    """fn captured in a CUDA graph (after two warm calls, one on a side stream, as capture asks);
+    returns the replay: time it for GPU time without host work or launch gaps."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_wall(fn, *, calls: int = 200, repeats: int = 5) -> Timing:
     """Wall-clock per call, host and GPU together: `calls` back-to-back calls between syncs."""
     fn()

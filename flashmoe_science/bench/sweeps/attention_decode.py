@@ -1,7 +1,7 @@
 """Time candidate KV-cache (decode) configurations on a GPU, to tune `configs.DECODE` and the
 split heuristic (`configs.decode_splits`).
 
-    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--out DIR]
+    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--head-dim {128,64}] [--out DIR]
 
 For each case (batch, cached length, heads, head dim, page size; bf16, one new token) it times,
 in two phases:
@@ -9,7 +9,9 @@ in two phases:
    the table's split count,
    forced through `DecodePlan(config=...)`;
 2. the fastest tile of phase 1 with each split count from 1 up to what the cache allows.
-Each row holds the GPU time (CUDA events, cold L2) and the fraction of the copy bandwidth
+Each row holds the GPU time per call of a CUDA graph of calls, each against its own cache
+(enough layers that the L2 holds none of the next; no host time, no launch gaps, which leave
+single eager calls tens of percent apart from run to run), and the fraction of the copy bandwidth
 measured in the same run (the bytes of K and V read over the time), and the candidate's error
 against the table configuration's output. Rows go to DIR/attention_decode_sweep.json; the best
 tile and split count per case are printed.
@@ -25,17 +27,22 @@ import torch
 from ...attention.configs import AttentionConfig, decode_config, head_dim_block
 from ...attention.decode import DecodePlan, launch_decode
 from ...device import SHARED_MEMORY_PER_BLOCK, info_for
-from ..attention_decode import paged_copy
+from ..attention_decode import graph_us_per_call, paged_copy
 from ..common import environment, measure_copy_bandwidth, progress, rel_error, write_results
-from ..timing import time_gpu
 
 # (batch, cached length, Hq, Hkv, head dim, page size): serving's regimes, one long sequence to
 # many short ones, GQA and MHA, contiguous and paged (each head dim and page size compiles every
 # tile anew, so the cases keep to two).
-CASES = ((1, 4096, 32, 8, 128, 0), (1, 65536, 32, 8, 128, 0), (8, 8192, 32, 8, 128, 0), (32, 4096, 32, 8, 128, 0),
+CASES = ((1, 4096, 32, 8, 128, 0), (1, 65536, 32, 8, 128, 0), (8, 8192, 32, 8, 128, 0), (20, 4096, 32, 8, 128, 0),
+         (24, 4096, 32, 8, 128, 0), (32, 4096, 32, 8, 128, 0),
          (64, 4096, 32, 8, 128, 0), (128, 2048, 32, 8, 128, 0), (8, 8192, 32, 32, 128, 0), (8, 8192, 32, 8, 128, 16),
          (64, 4096, 32, 8, 128, 16))
-QUICK_CASES = CASES[:1]
+# Head dim 64 (`--head-dim 64`), where the table's tile doubles BLOCK_N to keep D = 128's bytes a
+# step: the bandwidth-bound rows of the decode benchmark, one long sequence to many short ones.
+D64_CASES = ((1, 131072, 32, 8, 64, 0), (1, 32768, 32, 8, 64, 0), (8, 8192, 32, 8, 64, 0), (32, 4096, 32, 8, 64, 0),
+             (32, 1024, 32, 8, 64, 0), (128, 1024, 32, 8, 64, 0))
+GRAPH_BYTES = 512 << 20  # K and V bytes of a timed graph's layers together, at most GRAPH_LAYERS layers
+GRAPH_LAYERS = 16
 MAX_REL_DIFF = 1e-2  # a candidate whose output differs more from the table's is wrong, not fast
 
 
@@ -65,11 +72,16 @@ def sweep(cases=CASES, dtype=torch.bfloat16, device="cuda", checkpoint=lambda ro
         block_d = head_dim_block(dim)
         table_cfg = decode_config(info_for(q), q.element_size(), block_d, heads_q // heads_kv)
 
-        def run(cfg, splits):
-            plan = DecodePlan(q, k_cache, table, True, (-1, -1), splits, config=cfg)
+        def run(cfg, splits, k=k_cache, v=v_cache):
+            plan = DecodePlan(q, k, table, True, (-1, -1), splits, config=cfg)
             out = torch.empty_like(q)
-            launch_decode(plan, None, q, k_cache, v_cache, out, None, lengths, table, 0, None, 0.0)
+            launch_decode(plan, None, q, k, v, out, None, lengths, table, 0, None, 0.0)
             return plan, out
+
+        layer_bytes = 2 * k_cache.numel() * k_cache.element_size()
+        layers = max(1, min(GRAPH_LAYERS, GRAPH_BYTES // layer_bytes))
+        caches = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache))
+                                         for _ in range(layers - 1)]
 
         table_plan, reference = run(table_cfg, 0)
 
@@ -78,12 +90,13 @@ def sweep(cases=CASES, dtype=torch.bfloat16, device="cuda", checkpoint=lambda ro
                        table_config=cfg == table_cfg)
             try:
                 plan, out = run(cfg, splits)
-                t = time_gpu(lambda: run(cfg, splits), warmup_ms=5, rep_ms=20, repeats=1)
+                us = graph_us_per_call(lambda k, v: run(cfg, splits, k, v), caches, warmup_ms=5, rep_ms=20,
+                                       repeats=3)
             except Exception as exc:  # a candidate that does not fit this GPU
                 row.update(splits=splits, error=f"{type(exc).__name__}: {exc}"[:200])
             else:
-                row.update(splits=plan.num_splits, table_splits=table_plan.num_splits, us=t.median_ms * 1e3,
-                           copy_fraction=floor_ms / t.median_ms, rel_diff_vs_table=rel_error(out, reference))
+                row.update(splits=plan.num_splits, table_splits=table_plan.num_splits, us=us, graph_layers=layers,
+                           copy_fraction=floor_ms * 1e3 / us, rel_diff_vs_table=rel_error(out, reference))
             rows.append(row)
             return row
 
@@ -119,14 +132,18 @@ def best_per_case(rows) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one case")
+    parser.add_argument("--head-dim", type=int, choices=(128, 64), default=128,
+                        help="the cases of this head dim (default: 128, GQA and MHA, contiguous and paged)")
     parser.add_argument("--out", default="out/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the decode sweep times GPU kernels; no GPU here", file=sys.stderr)
         return 2
     meta = {"environment": environment()}
-    rows = sweep(QUICK_CASES if args.quick else CASES,
-                 checkpoint=lambda rows: write_results(args.out, "attention_decode_sweep", rows, meta))
+    cases = D64_CASES if args.head_dim == 64 else CASES
+    name = "attention_decode_sweep" if args.head_dim == 128 else f"attention_decode_sweep_d{args.head_dim}"
+    rows = sweep(cases[:1] if args.quick else cases,
+                 checkpoint=lambda rows: write_results(args.out, name, rows, meta))
     print("\n".join(best_per_case(rows)))
     return 0
 

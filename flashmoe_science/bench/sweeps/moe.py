@@ -20,8 +20,8 @@ import torch
 from ...device import info_for
 from ...moe import backward, configs, experts, moe_route, routing
 from .. import common
-from ..timing import time_gpu
-from ..moe import graph_replay, make_layer
+from ..timing import graph_replay, time_gpu
+from ..moe import make_layer
 
 # Sweep candidates: (BLOCK_N, BLOCK_K, GROUP_M, warps, stages) per GEMM, by BLOCK_M, and the
 # BLOCK_M values tried for each load bucket of the table (its own and its neighbours).
