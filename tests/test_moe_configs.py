@@ -66,9 +66,10 @@ def _launched_build(op, capability):
     return matches[0]
 
 
-@pytest.mark.parametrize("T", [3, 200])
+@pytest.mark.parametrize("T", [1, 3, 200])
 def test_launches_are_shipped_builds(device, T):
-    """One dispatch chunk (routing builds the layout) and several (route + align; count + align)."""
+    """One token and one dispatch chunk (routing builds the layout) and several (route + align;
+    count + align)."""
     E, k, H, I = 8, 2, 32, 16
     x = torch.randn(T, H, device=device)
     w1 = torch.randn(E, 2 * I, H, device=device) / H**0.5
@@ -77,7 +78,8 @@ def test_launches_are_shipped_builds(device, T):
     capability = info_for(x).capability
     one_chunk = T <= configs.CHUNK_TOKENS
     fused_moe(x, w1, w2, logits, k)
-    assert _launched_build("moe_route", capability).constexprs["LAYOUT"] == ("full" if one_chunk else "count")
+    assert _launched_build("moe_route", capability).constexprs["LAYOUT"] == (
+        "one_token" if T == 1 else "full" if one_chunk else "count")
     for op in ["moe_gate_up", "moe_down", "moe_combine"] + ([] if one_chunk else ["moe_align"]):
         _launched_build(op, capability)
     weights, ids = moe_route(logits, k)

@@ -45,6 +45,7 @@ def check_against_reference(out, ref64, torch_out, *, atol=2e-3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,E,k,H,I", [
     (1, 4, 2, 32, 16),      # decode: one token, most experts idle
+    (1, 16, 8, 48, 272),    # one token, k = 8 (its layout written from its picks)
     (5, 8, 8, 16, 32),      # top_k = E
     (33, 8, 3, 64, 48),     # T and I not multiples of any block
     (300, 4, 2, 32, 16),    # several dispatch chunks, prefill configuration (BLOCK_M = 128)
@@ -104,6 +105,18 @@ def test_idle_experts_and_one_expert_for_every_token(device, poisoned):  # noqa:
     out = fused_experts(x, w1, w2, weights, ids)
     ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
     assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+def test_one_token_with_repeated_and_dropped_ids(device, poisoned):  # noqa: F811
+    """fused_experts on one token with an expert picked twice (one block of two rows) and ids
+    outside [0, E) (left out of the layout), as the reference treats them."""
+    E, H, I = 8, 48, 32
+    x, w1, w2 = make_layer(1, E, H, I, torch.float32, device)
+    ids = torch.tensor([[5, 2, 5, -1, 8, 0]], device=device, dtype=torch.int32)
+    weights = torch.rand(1, 6, device=device)
+    out = fused_experts(x, w1, w2, weights, ids)
+    ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+    assert out.shape == (1, H) and rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
 
 
 def test_no_tokens(device):

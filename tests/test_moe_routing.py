@@ -83,12 +83,13 @@ def check_layout(layout, ids, num_experts):
     rows, experts, counts = expected_layout(ids.cpu(), num_experts, layout.block_m, layout.num_blocks)
     assert layout.block_expert.tolist() == experts
     assert layout.block_rows.tolist() == counts
-    written = layout.sorted_pairs[: len(rows)].tolist()
-    assert [w for w, r in zip(written, rows) if r is not None] == [r for r in rows if r is not None]
+    assert layout.sorted_pairs.tolist() == [-1 if r is None else r for r in rows] + [-1] * (
+        layout.num_blocks * layout.block_m - len(rows))
 
 
-# (T, E, k): one dispatch chunk (T <= 128) and several; up to 200 experts; one expert for all.
-LAYOUT_CASES = [(1, 8, 2), (33, 8, 3), (70, 64, 8), (300, 8, 2), (300, 200, 4), (129, 1, 1)]
+# (T, E, k): one token (its layout from its picks alone), one dispatch chunk (T <= 128) and
+# several; up to 200 experts; one expert for all.
+LAYOUT_CASES = [(1, 8, 2), (1, 200, 8), (1, 1, 1), (33, 8, 3), (70, 64, 8), (300, 8, 2), (300, 200, 4), (129, 1, 1)]
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
@@ -101,6 +102,27 @@ def test_routing_builds_the_sorted_layout(device, poisoned, T, E, k, block_m):
     weights, ids, layout = routing.route_pairs(logits, plan, ("test", T, E, k, block_m), sigmoid=False,
                                                renormalize=True, with_layout=True)
     assert torch.equal(ids.long().cpu(), moe_route_torch(logits.double(), k)[1].cpu())
+    check_layout(layout, ids, E)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("E,k,nan", [(8, 2, False), (64, 6, False), (256, 8, False), (16, 4, True)])
+def test_one_token_routes_as_moe_route(device, poisoned, E, k, nan, scoring, renormalize):
+    """Decode at batch 1 routes a one-row tile and writes the layout from the picks alone: the same
+    picks and weights as `moe_route` (fp32 rounding apart: the row sums in another order), and
+    the sorted layout. A NaN logit still gives k distinct experts of [0, E), with NaN weights."""
+    logits = torch.randn(1, E, device=device) * 2
+    if nan:
+        logits[0, 3] = float("nan")
+    plan = routing.DispatchPlan(1, E, k, 16, torch.device(device))
+    weights, ids, layout = routing.route_pairs(logits, plan, ("test-one", E, k, scoring, renormalize),
+                                               sigmoid=scoring == "sigmoid", renormalize=renormalize,
+                                               with_layout=True)
+    ref_w, ref_ids = moe_route(logits, k, renormalize=renormalize, scoring=scoring)
+    assert torch.equal(ids, ref_ids) and len(set(ids[0].tolist())) == k and 0 <= ids.min() and ids.max() < E
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert weights.isnan().any() == nan
     check_layout(layout, ids, E)
 
 

@@ -194,12 +194,14 @@ def run(args) -> dict:
     impls = [i for i in args.impls if (i != "gmm" or gmm_reason is None) and (i != "scaled_gmm" or scaled_reason is None)
              and (i not in ("fp8", "scaled_gmm") or not with_backward)]
     generator = torch.Generator(device=device).manual_seed(0)
+    checkpoint = getattr(args, "checkpoint", None) or (lambda rows: None)  # rows so far, where `cli` sets it
     rows = []
     if with_backward:
         for name in args.progress(list(shapes), desc="bench moe fwd+bwd"):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             rows += _bench_fwd_bwd_shape(args, name, shapes[name], tokens, impls, device, dtype, generator)
+            checkpoint(rows)
         return {"name": RESULT_NAMES[args.mode], "rows": rows, "meta": meta}
     cases = [(name, T) for name in shapes for T in tokens]
     current = w1 = w2 = w64 = None
@@ -218,6 +220,7 @@ def run(args) -> dict:
                 fp8_weights["scaled_gmm"] = (*quantize_fp8_per_channel(w1), *quantize_fp8_per_channel(w2))
         rows += _bench_case(args, name, (E, k, H, I), T, impls, w1, w2, w64, meta["copy_tbps"], generator,
                             fp8_weights)
+        checkpoint(rows)
     # FP8 comparisons have their own results file and table (report.render_moe_fp8)
     fp8_run = any(i in ("fp8", "scaled_gmm") for i in impls)
     return {"name": "moe_fp8" if fp8_run else RESULT_NAMES[args.mode], "rows": rows, "meta": meta}

@@ -96,29 +96,26 @@ class DispatchPlan:
 def route_pairs(router_logits: torch.Tensor, plan: DispatchPlan, key, *, sigmoid: bool, renormalize: bool,
                 with_layout: bool):
     """Routes every token; returns (topk_weights (T, k) fp32, topk_ids (T, k) int32, PairLayout or
-    None). With one dispatch chunk the routing launch also builds the layout; otherwise it
-    writes per-chunk expert counts and one align launch follows. `key` must determine the
-    kernels' specialisation (shapes, strides, dtypes, alignment of router_logits)."""
+    None). With one dispatch chunk the routing launch also builds the layout (for one token,
+    from its picks without a sort); otherwise it writes per-chunk expert counts and one align
+    launch follows. `key` must determine the kernels' specialisation (shapes, strides, dtypes,
+    alignment of router_logits)."""
     device = router_logits.device
     weights = allocate((plan.num_tokens, plan.top_k), torch.float32, device)
     ids = allocate((plan.num_tokens, plan.top_k), torch.int32, device)
     counts = layout = None
-    if not with_layout:
-        mode = "none"
-    elif plan.num_chunks == 1:
-        mode = "full"
+    mode = configs.route_layout(plan.num_tokens, plan.num_chunks) if with_layout else "none"
+    if mode != "none":
         layout = plan.layout_buffers(device)
-    else:
-        mode = "count"
+    if mode == "count":
         counts = allocate((plan.num_chunks, configs.MAX_EXPERTS), torch.int32, device)
-        layout = plan.layout_buffers(device)
     tables = (ids, ids, ids) if layout is None else (layout.sorted_pairs, layout.block_expert, layout.block_rows)
     _ROUTE.launch(
         key, (plan.num_chunks, 1, 1),
         (router_logits, weights, ids, ids if counts is None else counts, *tables,
          plan.num_tokens, plan.num_experts, router_logits.stride(0), plan.top_k, int(sigmoid), int(renormalize),
          plan.chunk_tokens, plan.block_m, plan.num_blocks,
-         configs.MAX_EXPERTS, configs.MAX_TOP_K, configs.DISPATCH_ROWS, mode, configs.SORT_PAIRS,
+         configs.MAX_EXPERTS, configs.MAX_TOP_K, configs.route_rows(mode), mode, configs.SORT_PAIRS,
          configs.DISPATCH_ROWS),
         num_warps=configs.DISPATCH_WARPS, num_stages=configs.DISPATCH_STAGES, device_index=plan.device_index)
     if mode == "count":

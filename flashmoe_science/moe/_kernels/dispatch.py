@@ -19,7 +19,8 @@ The layout is built in chunks of consecutive pairs, one program per chunk:
    (a 64 x 64 comparison within the tile plus a per-expert running count), so a chunk takes a
    few wide steps rather than one step per pair. Each program also writes its share of the
    block tables.
-When all pairs fit one chunk (decode), the routing kernel does both steps itself: one launch.
+When all pairs fit one chunk (decode), the routing kernel does both steps itself: one launch;
+for a single token it writes the layout straight from the token's k picks (rank by expert id).
 Ids outside [0, E) are dropped from the layout (their pairs contribute nothing).
 
 Compile-time constants are only the tile sizes (E_PAD = 256 for every E), the layout mode and
@@ -129,6 +130,31 @@ def _place_pairs(ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, co
                      mask=pad)
 
 
+@triton.jit
+def _place_one_token(ids, top_k, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block_m, max_blocks,
+                     kcols, PAD_ROWS: tl.constexpr):
+    """The layout of one token's picks `ids` (K_PAD,) (the first top_k distinct experts of [0, E)),
+    as `_place_pairs` builds it, without a sort: each pair has a block of its own, and the pair
+    whose expert has rank r among the picks takes block r (its first row; the rest hold -1).
+    PAD_ROWS >= max_blocks."""
+    picked = kcols < top_k
+    below = (ids[None, :] < ids[:, None]) & picked[None, :]
+    rank = tl.sum(below.to(tl.int32), axis=1)
+    blocks = tl.arange(0, PAD_ROWS)
+    at = (rank[None, :] == blocks[:, None]) & picked[None, :]  # (block, pair)
+    used = tl.sum(at.to(tl.int32), axis=1) > 0
+    expert = tl.sum(tl.where(at, ids[None, :], 0), axis=1)
+    pair = tl.sum(tl.where(at, kcols[None, :], 0), axis=1)
+    b_ok = blocks < max_blocks
+    tl.store(block_expert_ptr + blocks, tl.where(used, expert, -1), mask=b_ok)
+    tl.store(block_rows_ptr + blocks, used.to(tl.int32), mask=b_ok)
+    for r0 in range(0, block_m, PAD_COLS):
+        r = r0 + tl.arange(0, PAD_COLS)
+        value = tl.where(used[:, None] & (r[None, :] == 0), pair[:, None], -1)
+        tl.store(sorted_pairs_ptr + blocks[:, None] * block_m + r[None, :], value,
+                 mask=b_ok[:, None] & (r[None, :] < block_m))
+
+
 @triton.jit(do_not_specialize=["top_k", "sigmoid", "renormalize", "block_m"])
 def route_kernel(
     logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
@@ -142,7 +168,8 @@ def route_kernel(
     (T, top_k) int32, contiguous. sigmoid, renormalize: 0 or 1. LAYOUT selects what else the
     program does: "none": routing only; "count": also writes the chunk's expert histogram to
     row c of counts (chunks, E_PAD) int32; "full" (one program covers every token): also builds
-    the whole layout (sorted_pairs, block_expert, block_rows) itself.
+    the whole layout (sorted_pairs, block_expert, block_rows) itself; "one_token" (T = 1,
+    ROWS = 1): the same layout from the token's picks alone, no sort.
     """
     c = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
@@ -158,7 +185,10 @@ def route_kernel(
         out_offs = rows[:, None] * top_k + kcols[None, :]
         tl.store(weights_ptr + out_offs, weights, mask=out_ok)
         tl.store(ids_ptr + out_offs, ids, mask=out_ok)
-        if LAYOUT != "none":
+        if LAYOUT == "one_token":
+            _place_one_token(tl.reshape(ids, (K_PAD,)), top_k, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+                             block_m, max_blocks, kcols, 2 * K_PAD)
+        elif LAYOUT != "none":
             counts += tl.histogram(tl.reshape(ids, (ROWS * K_PAD,)), E_PAD,
                                    mask=tl.reshape(out_ok, (ROWS * K_PAD,)))
     if LAYOUT == "count":
