@@ -136,7 +136,8 @@ def _place_one_token(ids, top_k, sorted_pairs_ptr, block_expert_ptr, block_rows_
     """The layout of one token's picks `ids` (K_PAD,) (the first top_k distinct experts of [0, E)),
     as `_place_pairs` builds it, without a sort: each pair has a block of its own, and the pair
     whose expert has rank r among the picks takes block r (its first row; the rest hold -1).
-    PAD_ROWS >= max_blocks."""
+    PAD_ROWS = 2 * K_PAD covers every layout: max_blocks = cdiv(top_k, block_m) + min(E, top_k)
+    is at most 2 * top_k."""
     picked = kcols < top_k
     below = (ids[None, :] < ids[:, None]) & picked[None, :]
     rank = tl.sum(below.to(tl.int32), axis=1)
