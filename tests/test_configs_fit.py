@@ -127,17 +127,20 @@ def test_hopper_forward_dispatch_picks_gluon_where_it_was_measured_faster():
 def test_decode_split_counts_follow_the_measured_regimes():
     """`decode_splits` on an H100 (132 SMs), the cases its comment cites: one key block a split
     while the (batch, KV head) tiles leave SMs idle (B 1, Hkv 8), at least DECODE_MIN_SPLIT_BLOCKS
-    once they fill them (B 32, Hkv 8: 256 tiles); DECODE_WAVES programs per SM at most; an empty
-    cache or batch still one split. FP8 caches take one stage more than 16-bit ones."""
+    once they fill them; DECODE_WAVES programs per SM, rounded down where the last split would
+    add at most a quarter of the tiles' programs (256 tiles: one split, 192: two, 64: four); an
+    empty cache or batch still one split. FP8 caches take one stage more than 16-bit ones."""
     from flashmoe_science.attention.configs import (DECODE_FP8_CACHE_EXTRA_STAGES, DECODE_MIN_SPLIT_BLOCKS,
                                                     decode_config, decode_splits)
     h100 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
     assert decode_splits(h100, 8, 1024, 128) == 8  # B 1, D 64: eight blocks, one a split
     assert decode_splits(h100, 8, 1024, 64) == 16
     assert decode_splits(h100, 8, 4096, 64) == 33  # 2 x 132 programs over 8 tiles
-    assert decode_splits(h100, 64, 1024, 64) == 5
-    assert decode_splits(h100, 256, 1024, 64) == 1  # 16 blocks: not two splits of DECODE_MIN_SPLIT_BLOCKS
-    assert decode_splits(h100, 256, 4096, 64) == 2 and 4096 // 64 // 2 >= DECODE_MIN_SPLIT_BLOCKS
+    assert decode_splits(h100, 64, 1024, 64) == 4  # 4.13 splits wanted
+    assert decode_splits(h100, 128, 4096, 64) == 2  # 2.06
+    assert decode_splits(h100, 192, 4096, 64) == 2 and 4096 // 64 // 2 >= DECODE_MIN_SPLIT_BLOCKS  # 1.38
+    assert decode_splits(h100, 256, 4096, 64) == 1  # 1.03
+    assert decode_splits(h100, 160, 1024, 64) == 1  # 16 blocks: not two splits of DECODE_MIN_SPLIT_BLOCKS
     assert decode_splits(h100, 1024, 131072, 64) == 1
     assert decode_splits(h100, 0, 0, 64) == 1 and decode_splits(h100, 8, 0, 64) == 1
     plain, fp8 = decode_config(h100, 2, 128, 4), decode_config(h100, 2, 128, 4, cache_element_size=1)

@@ -447,11 +447,20 @@ DECODE_COMBINE_WARPS = 4
 # DECODE_MIN_SPLIT_BLOCKS blocks, or the combine kernel costs more than the balance gains. H100,
 # bf16, 16 layers in a CUDA graph (split counts 1 to 64): B 1, Sk 1k, D 64: 8 splits 7.1 us, 2
 # splits 11.9; B 1, Sk 4k, D 128: 32 splits 13.1, 16 14.8; B 32, Sk 1k, D 128: 1 split 49.4, 2
-# splits 56.3. The sweep's split phase (attention_decode_sweep.json) finds the heuristic's count
-# fastest or within 1% at D = 128 from B 1 to 128 (B 32, Sk 4k: 2 splits 197 us, 1 223; B 8, Sk 8k:
-# 5 splits 102, 4 102), the paged B 8, Sk 8k excepted (5 splits 110, 8 106).
+# splits 56.3. The sweep's split phase (attention_decode_sweep.json, each case's fastest tile)
+# finds the count fastest or within 3% at D = 128 from B 1 to 128, the paged B 8, Sk 8k excepted
+# (4 splits 108.5, 8 105.6).
 DECODE_WAVES = 2
 DECODE_MIN_SPLIT_BLOCKS = 16
+# The split count is DECODE_WAVES * SMs / tiles rounded up, unless the fraction above the whole
+# number is at most 1 / DECODE_SPLIT_SLACK_PARTS: a split that would add only that share of the
+# programs costs more (its partials, the combine) than it balances. H100, bf16, GPU time per
+# call in CUDA graphs with the table's tile, Hq 32: B 32, Sk 4k, Hkv 8 (256 tiles, 1.03 splits
+# wanted): 1 split 183 us (cuDNN 184), 2 splits 193; at D = 64 101 against 108; B 8, Sk 8k, Hkv
+# 32 (256 tiles): 1 split 354, 2 364; B 24, Sk 4k (192 tiles, 1.38): 2 splits 146.5, 1 151.8;
+# B 16 (128 tiles, 2.06): 2 splits 103.0, 3 103.3; B 8, Sk 8k (64 tiles, 4.13): 4 splits 102.3,
+# 5 102.3. Over 14 such cases the count is the fastest of 1, 2, 3, 4, 6 and 8 or within 2%.
+DECODE_SPLIT_SLACK_PARTS = 4
 # Dense calls whose query rows per KV head (Sq x group) fit one decode tile, against at least this
 # many keys (and 8 per query), take the KV-cache kernels (`forward.ForwardPlan`): one program per
 # (batch, head, query block) would leave most SMs idle and read each group's K and V once per head.
@@ -478,10 +487,12 @@ def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int
 
 def decode_splits(device: DeviceInfo, tiles: int, capacity: int, block_n: int) -> int:
     """How many key ranges split-KV cuts each sequence's cache of `capacity` tokens into: enough
-    programs for DECODE_WAVES per SM over `tiles` (batch x KV heads x row blocks), each range at
+    programs for DECODE_WAVES per SM over `tiles` (batch x KV heads x row blocks), rounded down
+    where the last split would add at most DECODE_SPLIT_SLACK of `tiles`' programs, each range at
     least one key block while the tiles leave SMs idle, DECODE_MIN_SPLIT_BLOCKS once they do not."""
     tiles = max(tiles, 1)
-    wanted = -(-DECODE_WAVES * device.sm_count // tiles)
+    target = DECODE_WAVES * device.sm_count
+    wanted = -(-(DECODE_SPLIT_SLACK_PARTS * target - tiles) // (DECODE_SPLIT_SLACK_PARTS * tiles))
     least = 1 if tiles < device.sm_count else DECODE_MIN_SPLIT_BLOCKS
     return max(1, min(wanted, -(-capacity // block_n) // least, 128))
 
