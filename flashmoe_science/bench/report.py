@@ -106,7 +106,10 @@ def _attention_extra(rows) -> str:
 def _graph_cell(ours, sdpa) -> str:
     if not ours or "graph_us" not in ours or not sdpa or "graph_us" not in sdpa:
         return ""
-    return f"{_fmt(ours['graph_us'], 1)} / {_fmt(sdpa['graph_us'], 1)} ({_fmt(sdpa['graph_us'] / ours['graph_us'], 2)}x)"
+    graph_backend = sdpa.get("graph_backend", sdpa.get("backend"))
+    backend = f", {graph_backend}" if graph_backend != sdpa.get("backend") else ""
+    return (f"{_fmt(ours['graph_us'], 1)} / {_fmt(sdpa['graph_us'], 1)} "
+            f"({_fmt(sdpa['graph_us'] / ours['graph_us'], 2)}x{backend})")
 
 
 def _attention_decode(rows) -> str:
@@ -173,7 +176,8 @@ def render_attention(name: str, result: dict) -> str:
                      "(contiguous, and paged in pages of 16 and 256 tokens) and of SDPA's fastest backend, the "
                      "copy floor (K and V bytes over the copy bandwidth measured in the run), and ours' share of "
                      "it; where 32 layers' caches fit 8 GiB, the time per layer of a CUDA graph of 32 calls, each "
-                     "against its own layer's cache, as serving frameworks replay a decode step.\n\n" + _attention_decode(decode))
+                     "against its own layer's cache, as serving frameworks replay a decode step (SDPA: its fastest "
+                     "backend in the graph, named where it is not the eager one).\n\n" + _attention_decode(decode))
     calls = [r for r in rows if r.get("section") == "calls"]
     if calls:
         what = "forward" if calls[0]["mode"] == "fwd" else "forward and backward through autograd"
