@@ -447,9 +447,9 @@ DECODE_COMBINE_WARPS = 4
 # DECODE_MIN_SPLIT_BLOCKS blocks, or the combine kernel costs more than the balance gains. H100,
 # bf16, 16 layers in a CUDA graph (split counts 1 to 64): B 1, Sk 1k, D 64: 8 splits 7.1 us, 2
 # splits 11.9; B 1, Sk 4k, D 128: 32 splits 13.1, 16 14.8; B 32, Sk 1k, D 128: 1 split 49.4, 2
-# splits 56.3. The sweep's split phase (attention_decode_sweep.json, each case's fastest tile)
-# finds the count fastest or within 3% at D = 128 from B 1 to 128, the paged B 8, Sk 8k excepted
-# (4 splits 108.5, 8 105.6).
+# splits 56.3. The sweep's split phase (attention_decode_sweep.json) times each case's fastest
+# tile, not the table's: with 32 keys and 2 warps, 256 tiles want two splits (B 32, Sk 4k: 197
+# us against 223 for one), with the table's tile one (below).
 DECODE_WAVES = 2
 DECODE_MIN_SPLIT_BLOCKS = 16
 # The split count is DECODE_WAVES * SMs / tiles rounded up, unless the fraction above the whole
@@ -488,8 +488,9 @@ def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int
 def decode_splits(device: DeviceInfo, tiles: int, capacity: int, block_n: int) -> int:
     """How many key ranges split-KV cuts each sequence's cache of `capacity` tokens into: enough
     programs for DECODE_WAVES per SM over `tiles` (batch x KV heads x row blocks), rounded down
-    where the last split would add at most DECODE_SPLIT_SLACK of `tiles`' programs, each range at
-    least one key block while the tiles leave SMs idle, DECODE_MIN_SPLIT_BLOCKS once they do not."""
+    where the last split would add at most 1 / DECODE_SPLIT_SLACK_PARTS of `tiles`' programs, each
+    range at least one key block while the tiles leave SMs idle, DECODE_MIN_SPLIT_BLOCKS once they
+    do not."""
     tiles = max(tiles, 1)
     target = DECODE_WAVES * device.sm_count
     wanted = -(-(DECODE_SPLIT_SLACK_PARTS * target - tiles) // (DECODE_SPLIT_SLACK_PARTS * tiles))
