@@ -1,6 +1,8 @@
 """Routing (top-k) and the dispatch layout, on the CPU interpreter (and on the GPU when present)."""
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flashmoe_science.moe import configs, moe_route, routing
 from flashmoe_science.moe.reference import moe_route_torch
@@ -123,6 +125,36 @@ def test_one_token_routes_as_moe_route(device, poisoned, E, k, nan, scoring, ren
     assert torch.equal(ids, ref_ids) and len(set(ids[0].tolist())) == k and 0 <= ids.min() and ids.max() < E
     torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7, equal_nan=True)
     assert weights.isnan().any() == nan
+    check_layout(layout, ids, E)
+
+
+@given(st.data())
+def test_any_one_token_layout_is_the_sorted_one(data):
+    """Property: any expert count, k, layout block and scoring, and logits with ties (rounded to
+    a few values) or with the picks' scores far apart: the one-token launch's picks are
+    `moe_route`'s and its layout the counting sort's, every row written (poisoned buffers)."""
+    draw = data.draw
+    E = draw(st.integers(1, configs.MAX_EXPERTS))
+    k = draw(st.integers(1, min(E, configs.MAX_TOP_K)))
+    block_m = draw(st.sampled_from([16, 32, 64, 128]))
+    scoring = draw(st.sampled_from(["softmax", "sigmoid"]))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    logits = torch.randn(1, E, device=device) * draw(st.sampled_from([0.1, 3.0]))
+    if draw(st.booleans()):
+        logits = logits.round()  # ties: the lower expert first
+    plan = routing.DispatchPlan(1, E, k, block_m, device)
+    original = routing.allocate
+    routing.allocate = lambda shape, dtype, device: torch.full(
+        shape, float("nan") if dtype.is_floating_point else POISON_INT, dtype=dtype, device=device)
+    try:
+        weights, ids, layout = routing.route_pairs(logits, plan, ("test-any-one", E, k, block_m, scoring),
+                                                   sigmoid=scoring == "sigmoid", renormalize=True,
+                                                   with_layout=True)
+    finally:
+        routing.allocate = original
+    ref_w, ref_ids = moe_route(logits, k, scoring=scoring)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
     check_layout(layout, ids, E)
 
 
