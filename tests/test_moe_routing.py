@@ -1,4 +1,6 @@
 """Routing (top-k) and the dispatch layout, on the CPU interpreter (and on the GPU when present)."""
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given
@@ -10,14 +12,16 @@ from flashmoe_science.moe.reference import moe_route_torch
 POISON_INT = -7
 
 
+def poisoned_allocate(shape, dtype, device):
+    """A buffer filled with NaN (floats) or POISON_INT (ints), for `routing.allocate`."""
+    fill = float("nan") if dtype.is_floating_point else POISON_INT
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every buffer the launchers allocate starts as NaN (floats) or POISON_INT (ints)."""
-    def allocate(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else POISON_INT
-        return torch.full(shape, fill, dtype=dtype, device=device)
-
-    monkeypatch.setattr(routing, "allocate", allocate)
+    monkeypatch.setattr(routing, "allocate", poisoned_allocate)
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
@@ -143,15 +147,10 @@ def test_any_one_token_layout_is_the_sorted_one(data):
     if draw(st.booleans()):
         logits = logits.round()  # ties: the lower expert first
     plan = routing.DispatchPlan(1, E, k, block_m, device)
-    original = routing.allocate
-    routing.allocate = lambda shape, dtype, device: torch.full(
-        shape, float("nan") if dtype.is_floating_point else POISON_INT, dtype=dtype, device=device)
-    try:
+    with mock.patch.object(routing, "allocate", poisoned_allocate):  # a fixture would span every example
         weights, ids, layout = routing.route_pairs(logits, plan, ("test-any-one", E, k, block_m, scoring),
                                                    sigmoid=scoring == "sigmoid", renormalize=True,
                                                    with_layout=True)
-    finally:
-        routing.allocate = original
     ref_w, ref_ids = moe_route(logits, k, scoring=scoring)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)

@@ -74,13 +74,15 @@ class ForwardPlan:
         # FP8's v may have any strides for the sm90 kernel, which reads a copy (`fp8.fp8_value_tiles`);
         # the generic kernel, like every 16-bit path, reads rows of unit stride (set below once the
         # kernel is known).
-        self.contiguous = q.stride(-1) != 1 or k.stride(-1) != 1 or (v.stride(-1) != 1 and not self.fp8)
-        # The output is q's shape with v's head dim, its dimensions in the memory order of the q
-        # the kernel runs on (`output_like`; a contiguous copy where `contiguous`).
-        # FP8's v of another stride makes the output contiguous too, as for 16-bit inputs, whichever
-        # kernel runs: one rule, which the custom op's fake implementation (`ops.py`) repeats.
+        q_strided, k_strided, v_strided = (t.stride(-1) != 1 for t in (q, k, v))
+        self.contiguous = q_strided or k_strided or (v_strided and not self.fp8)
+        # The output is q's shape with v's head dim, its dimensions in the memory order of q, dense
+        # (`output_like`); contiguous where any of q, k, v has a non-unit stride in D, FP8's v
+        # included, whichever kernel runs: one rule, which the custom op's fake implementation
+        # (`ops.py`) repeats.
         self.out_shape = (*q.shape[:-1], head_dim_v)
-        self.out_strides = dense_strides(self.out_shape, None if self.contiguous or v.stride(-1) != 1 else q.stride())
+        self.out_strides = dense_strides(self.out_shape,
+                                         None if q_strided or k_strided or v_strided else q.stride())
         self.empty = q.numel() == 0
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.softcap = float(softcap)

@@ -103,13 +103,17 @@ def _attention_extra(rows) -> str:
     return "\n".join(out) + ("\n" if out else "")
 
 
+def _versus(ours: float, theirs: float, digits: int, note: str = "") -> str:
+    """"ours / theirs (theirs over ours x[, note])": two times and how much faster ours is."""
+    return f"{ours:.{digits}f} / {theirs:.{digits}f} ({theirs / ours:.2f}x{note})"
+
+
 def _graph_cell(ours, sdpa) -> str:
     if not ours or "graph_us" not in ours or not sdpa or "graph_us" not in sdpa:
         return ""
     graph_backend = sdpa.get("graph_backend", sdpa.get("backend"))
-    backend = f", {graph_backend}" if graph_backend != sdpa.get("backend") else ""
-    return (f"{_fmt(ours['graph_us'], 1)} / {_fmt(sdpa['graph_us'], 1)} "
-            f"({_fmt(sdpa['graph_us'] / ours['graph_us'], 2)}x{backend})")
+    return _versus(ours["graph_us"], sdpa["graph_us"], 1,
+                   f", {graph_backend}" if graph_backend != sdpa.get("backend") else "")
 
 
 def _attention_decode(rows) -> str:
@@ -257,8 +261,7 @@ def render_moe(name: str, result: dict) -> str:
         graph = ""
         if graphs:
             graph_ms = ours.get("graph_ms"), by.get("gmm", {}).get("graph_ms")
-            graph = (f"{graph_ms[0]:.3f} / {graph_ms[1]:.3f} ({graph_ms[1] / graph_ms[0]:.2f}x)"
-                     if None not in graph_ms else _fmt(graph_ms[0], 3)) + " | "
+            graph = (_versus(*graph_ms, 3) if None not in graph_ms else _fmt(graph_ms[0], 3)) + " | "
         out.append(f"| {shape} ({e}, {k}, {h}, {i}) | {t} | {_fmt(ours.get('ms'), 3)} | "
                    f"{_fmt(by.get('gmm', {}).get('ms'), 3)} | {_fmt(by.get('naive', {}).get('ms'), 3)} | "
                    f"{_fmt(ours.get('tflops'))} | {speed} | {graph}{bandwidth} | {ours.get('path', '')} | {err} |")
