@@ -9,7 +9,9 @@ Implementations (attn_implementation / experts_implementation): "fms" / "fms" (o
 Measured per model and implementation:
 - train: one step (forward, loss, backward, AdamW) at batch x --seqlen tokens, in tokens/s;
 - prefill: the forward of the same batch without gradients, in ms;
-- decode: `generate` of --new-tokens tokens after a short prompt at batch 1 and 32, tokens/s.
+- decode: `generate` of --new-tokens tokens after a short prompt at batch 1 and 32, tokens/s,
+  the implementations' runs interleaved on one shared copy of the weights (the host, whose speed
+  drifts, bounds eager decoding).
 With --static-cache, only the decode, with a static cache (`cache_implementation="static"`, which
 transformers compiles with torch.compile(mode="reduce-overhead"): each step replays CUDA graphs),
 at batch 1 and 32, written as results model_static_decode: the way to serve without the host
@@ -21,6 +23,7 @@ the timings mean nothing.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import statistics
 
@@ -44,6 +47,7 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=32, moe_intermediat
             num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2)
 IMPLEMENTATIONS = {"ours": ("fms", "fms"), "sdpa_grouped_mm": ("sdpa", "grouped_mm"), "eager": ("eager", "eager")}
 PROMPT = 32
+DECODE_REPEATS = 5  # interleaved generate runs per implementation and batch
 
 
 def add_arguments(parser) -> None:
@@ -75,22 +79,33 @@ def _config(name, layers, device):
 
 def _timed(fn, repeats):
     """Median milliseconds of `fn` over `repeats` runs after one warm-up (CUDA events on a GPU)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return _timed_side_by_side({None: fn}, repeats)[None]
+
+
+def _timed_side_by_side(fns: dict, repeats: int) -> dict:
+    """Median milliseconds of each of `fns` over `repeats` runs after one warm-up each, the runs
+    interleaved (each round in a rotated order), so that all of them see the same drift of the
+    host's speed: host-bound runs on the GPU machine drifted by a third within a minute. CUDA
+    events on a GPU, the wall clock on the CPU."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if torch.cuda.is_available():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end))
+            else:
+                import time
+                t = time.perf_counter()
+                fns[name]()
+                times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 # Kernel kinds of a training step, by the first pattern (lower case) a kernel's name contains: our
@@ -132,7 +147,7 @@ def _profile(step) -> dict:
             "top_kernels": [{"name": name[:120], "kind": kernel_kind(name), "ms": ms} for name, ms in top]}
 
 
-def _measure(model, batch, seqlen, new_tokens, vocab, device, repeats, profile=False):
+def _measure(model, batch, seqlen, vocab, device, repeats, profile=False):
     ids = torch.randint(0, vocab, (batch, seqlen), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
@@ -154,24 +169,38 @@ def _measure(model, batch, seqlen, new_tokens, vocab, device, repeats, profile=F
         row["train_profile"] = _profile(train_step)
     model.eval()
     row["prefill_ms"] = _timed(prefill, repeats)
-    row.update(_decode(model, new_tokens, vocab, device, repeats))
     return row
 
 
-def _decode(model, new_tokens, vocab, device, repeats, cache=None):
-    """Tokens/s of `generate` at batch 1 and 32 (the CPU: 1), with transformers' default cache or
-    `cache` ("static": compiled into CUDA graphs by transformers on a GPU; the warm-up call compiles)."""
-    row = {}
+def _decode(models: dict, new_tokens, vocab, device, repeats, cache=None) -> dict:
+    """{name: tokens/s of `generate` at batch 1 and 32 (the CPU: 1)} for each of `models`, their runs
+    interleaved (`_timed_side_by_side`), with transformers' default cache or `cache` ("static":
+    compiled into CUDA graphs by transformers on a GPU; the warm-up call compiles)."""
+    rows = {name: {} for name in models}
     for decode_batch in ((1, 32) if device.type == "cuda" else (1,)):
         prompt = torch.randint(0, vocab, (decode_batch, PROMPT), device=device)
+        fns = {name: functools.partial(model.generate, prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                       do_sample=False, cache_implementation=cache)
+               for name, model in models.items()}
+        for name, ms in _timed_side_by_side(fns, repeats).items():
+            rows[name][f"decode_b{decode_batch}_tokens_per_s"] = decode_batch * new_tokens / ms * 1e3
+    return rows
 
-        def generate(prompt=prompt):
-            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           cache_implementation=cache)
 
-        ms = _timed(generate, repeats)  # host-bound and noisy: the median of as many runs as the rest
-        row[f"decode_b{decode_batch}_tokens_per_s"] = decode_batch * new_tokens / ms * 1e3
-    return row
+def _decoders(config, rows, state, device, dtype) -> dict:
+    """{impl: the model of each row's implementations in eval mode}, every one on the same weight
+    tensors (`state`, assigned, not copied): one copy of the weights for all of them."""
+    import transformers
+
+    models = {}
+    for row in rows:
+        with device:
+            model = transformers.AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), attn_implementation=row["attn_implementation"],
+                experts_implementation=row["experts_implementation"], dtype=dtype)
+        model.load_state_dict(state, assign=True)
+        models[row["impl"]] = model.eval()
+    return models
 
 
 def _release_memory(gpu: bool) -> None:
@@ -217,9 +246,10 @@ def run(args) -> dict:
                     # and guards piling up from earlier ones would reach dynamo's recompile limit (eager).
                     torch._dynamo.reset()
                     model.eval()
-                    row.update(_decode(model, new_tokens, config.vocab_size, device, repeats, cache="static"))
+                    row.update(_decode({impl: model}, new_tokens, config.vocab_size, device, repeats,
+                                       cache="static")[impl])
                 else:
-                    row.update(_measure(model, batch, seqlen, new_tokens, config.vocab_size, device, repeats,
+                    row.update(_measure(model, batch, seqlen, config.vocab_size, device, repeats,
                                         profile=args.profile))
             except (RuntimeError, NotImplementedError) as exc:  # out of memory, or a path a backend lacks
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -227,6 +257,18 @@ def run(args) -> dict:
             args.checkpoint(rows)
             del model
             _release_memory(gpu)
+        if not args.static_cache:
+            # Eager decode is bound by the host, whose speed drifts: every implementation's runs interleaved.
+            decoding = [r for r in rows if r["model"] == name and "error" not in r]
+            models = _decoders(config, decoding, state, device, dtype)
+            try:
+                speeds = _decode(models, new_tokens, config.vocab_size, device, DECODE_REPEATS if gpu else 1)
+            except (RuntimeError, NotImplementedError) as exc:
+                speeds = {impl: {"decode_error": f"{type(exc).__name__}: {exc}"[:300]} for impl in models}
+            for row in decoding:
+                row.update(speeds[row["impl"]])
+            args.checkpoint(rows)
+            del models
         del state
         _release_memory(gpu)
     meta = {"mode": "static-cache decode" if args.static_cache else "model", "dtype": str(dtype).replace("torch.", ""),
