@@ -115,7 +115,8 @@ def _tc(args) -> int:
             keep = [i for i, c in enumerate(compounds) if c.tc > 0]
             compounds = [compounds[i] for i in keep]
             features = None if features is None else features[keep]
-        options = dict(dim=args.dim, depth=args.depth, experts=args.experts)
+        options = dict(dim=args.dim, depth=args.depth, experts=args.experts,
+                       composition_stats=args.composition_stats, dropout=args.dropout)
         folds, mean, models, predictions = tc.run_cross_validation(
             compounds, folds=args.folds, split=args.split, epochs=args.epochs, device=device, backend=backend,
             baseline=args.baseline != "none", seed=args.seed, lr=args.lr, model_options=options, progress=progress,
@@ -218,6 +219,10 @@ def build_parser():
     train.add_argument("--depth", type=int, default=4)
     train.add_argument("--experts", type=int, default=8)
     train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the one-cycle schedule")
+    train.add_argument("--composition-stats", action="store_true",
+                       help="also feed the head Magpie's composition statistics (weighted mean and deviation, "
+                            "minimum, maximum of the elemental properties)")
+    train.add_argument("--dropout", type=float, default=0.0, help="dropout on each block's residual branches")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--compare-backends", action="store_true",
                        help="also time training epochs with our kernels, PyTorch (padded SDPA, per-expert loop) and "

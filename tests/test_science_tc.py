@@ -71,17 +71,39 @@ def test_cluster_folds_keep_each_element_set_in_one_fold(tmp_path):
     assert max(random_folds.count(f) for f in range(4)) - min(random_folds.count(f) for f in range(4)) <= 1
 
 
+@pytest.mark.parametrize("stats", [False, True], ids=["tokens", "composition_stats"])
 @pytest.mark.parametrize("backend", ["torch", "torch_grouped_mm"])
-def test_kernel_and_pytorch_backends_compute_the_same_model(backend, device):
+def test_kernel_and_pytorch_backends_compute_the_same_model(backend, stats, device):
     compounds = [tc.Compound(f, *tc.parse_formula(f)[1:], tc=1.0) for f in ("YBa2Cu3O7", "MgB2", "Nb3Sn", "Fe")]
     table = tc.element_table()
     torch.manual_seed(0)
-    ours = tc.TcSetTransformer(table, dim=32, heads=2, depth=2, experts=4, expert_dim=16).to(device)
-    plain = tc.TcSetTransformer(table, dim=32, heads=2, depth=2, experts=4, expert_dim=16, backend=backend).to(device)
+    options = dict(dim=32, heads=2, depth=2, experts=4, expert_dim=16, composition_stats=stats)
+    ours = tc.TcSetTransformer(table, **options).to(device)
+    plain = tc.TcSetTransformer(table, **options, backend=backend).to(device)
     plain.load_state_dict(ours.state_dict())
     batch = tc.pack(compounds, device)[:4]
     tol = 3e-2 if backend == "torch_grouped_mm" and device.type == "cuda" else 1e-4  # bf16 grouped_mm on a GPU
     torch.testing.assert_close(ours(*batch), plain(*batch), atol=tol, rtol=tol)
+
+
+def test_composition_statistics_are_each_compounds_weighted_mean_deviation_min_and_max():
+    formulas = ("YBa2Cu3O7", "MgB2", "Nb3Sn", "Fe", "La1.85Sr0.15CuO4")
+    compounds = [tc.Compound(f, *tc.parse_formula(f)[1:], tc=1.0) for f in formulas]
+    table = tc.element_table()
+    model = tc.TcSetTransformer(table, dim=32, heads=2, depth=1, experts=2, expert_dim=16, composition_stats=True)
+    z, frac, cu, _, _ = tc.pack(compounds, "cpu")
+    seq = torch.repeat_interleave(torch.arange(len(compounds)), (cu[1:] - cu[:-1]).long())
+    stats = model._composition_stats(z, frac, seq, len(compounds))
+    for i, c in enumerate(compounds):
+        props = table[torch.tensor(c.elements)].double()
+        w = torch.tensor(c.fractions, dtype=torch.float64)[:, None]
+        mean = (w * props).sum(0)
+        expected = torch.cat([mean, (w * (props - mean).abs()).sum(0), props.min(0).values, props.max(0).values])
+        torch.testing.assert_close(stats[i].double(), expected, atol=1e-5, rtol=1e-5)
+    model.eval()  # dropout is off outside training: predictions repeat
+    with_dropout = tc.TcSetTransformer(table, dim=32, heads=2, depth=1, experts=2, expert_dim=16, dropout=0.5).eval()
+    batch = tc.pack(compounds, "cpu")[:4]
+    torch.testing.assert_close(with_dropout(*batch), with_dropout(*batch))
 
 
 def test_backend_speed_comparison_times_each_backend(tmp_path):

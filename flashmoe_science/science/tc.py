@@ -175,6 +175,9 @@ def pack(compounds, device) -> tuple:
     lengths = torch.tensor([len(c.elements) for c in compounds], dtype=torch.int32)
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0, dtype=torch.int32)])
     tc = torch.tensor([c.tc for c in compounds], dtype=torch.float32)
+    if torch.device(device).type == "cuda":  # from pinned memory, a copy that does not wait for the GPU
+        return (*(t.pin_memory().to(device, non_blocking=True) for t in (z, frac, cu)), int(lengths.max()),
+                tc.pin_memory().to(device, non_blocking=True))
     return z.to(device), frac.to(device), cu.to(device), int(lengths.max()), tc.to(device)
 
 
@@ -183,14 +186,15 @@ class TcSetTransformer(nn.Module):
 
     def __init__(self, table: torch.Tensor, dim: int = 128, heads: int = 4, depth: int = 3, experts: int = 8,
                  expert_dim: int = 128, top_k: int = 2, backend: str = "kernels", target: str = "kelvin",
-                 fraction_frequencies: int = 16):
+                 fraction_frequencies: int = 16, composition_stats: bool = False, dropout: float = 0.0):
         super().__init__()
         if target not in TARGETS:
             raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
         self.backend, self.heads, self.dim = backend, heads, dim
         # Every option, saved with the weights (`write_outputs`) so that a reload builds this model.
         self.options = dict(dim=dim, heads=heads, depth=depth, experts=experts, expert_dim=expert_dim, top_k=top_k,
-                            backend=backend, target=target, fraction_frequencies=fraction_frequencies)
+                            backend=backend, target=target, fraction_frequencies=fraction_frequencies,
+                            composition_stats=composition_stats, dropout=dropout)
         self.encode, self.decode = TARGETS[target]
         self.register_buffer("table", table)
         self.embed = nn.Embedding(MAX_Z + 1, dim)
@@ -205,7 +209,14 @@ class TcSetTransformer(nn.Module):
                                                   out=nn.Linear(dim, dim), norm2=nn.LayerNorm(dim),
                                                   moe=FlashMoELayer(dim, experts, expert_dim, top_k))))
         self.pool_query = nn.Linear(dim, 1)
-        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 1))
+        self.dropout = nn.Dropout(dropout)  # on each block's two residual branches
+        # Magpie's composition statistics of the elemental properties (fraction-weighted mean and
+        # mean absolute deviation, minimum, maximum: what the gradient-boosting baseline sees),
+        # beside the pooled tokens at the head.
+        self.stats = (nn.Sequential(nn.LayerNorm(4 * table.shape[1]), nn.Linear(4 * table.shape[1], dim))
+                      if composition_stats else None)
+        head_in = 2 * dim if composition_stats else dim
+        self.head = nn.Sequential(nn.LayerNorm(head_in), nn.Linear(head_in, dim), nn.GELU(), nn.Linear(dim, 1))
 
     def _attention(self, q, k, v, cu, longest):
         if self.backend == "kernels":
@@ -241,8 +252,8 @@ class TcSetTransformer(nn.Module):
         x = self.embed(z) + self.props(self.table[z]) + self.frac(self._fraction_features(frac))
         for block in self.blocks:
             q, k, v = block["qkv"](block["norm1"](x)).view(-1, 3, self.heads, self.dim // self.heads).unbind(1)
-            x = x + block["out"](self._attention(q, k, v, cu, longest).reshape(-1, self.dim))
-            x = x + self._moe(block["moe"], block["norm2"](x))
+            x = x + self.dropout(block["out"](self._attention(q, k, v, cu, longest).reshape(-1, self.dim)))
+            x = x + self.dropout(self._moe(block["moe"], block["norm2"](x)))
         # Attention pooling: a softmax over each compound's tokens of a learned score.
         batch = cu.numel() - 1
         seq = torch.repeat_interleave(torch.arange(batch, device=x.device), (cu[1:] - cu[:-1]).long())
@@ -251,7 +262,22 @@ class TcSetTransformer(nn.Module):
         weight = torch.exp(score)
         total = torch.zeros(batch, device=x.device).index_add(0, seq, weight)
         pooled = torch.zeros(batch, self.dim, device=x.device).index_add(0, seq, weight[:, None] * x)
-        return self.head(pooled / total[:, None]).squeeze(-1)
+        pooled = pooled / total[:, None]
+        if self.stats is not None:
+            pooled = torch.cat([pooled, self.stats(self._composition_stats(z, frac, seq, batch))], -1)
+        return self.head(pooled).squeeze(-1)
+
+    def _composition_stats(self, z, frac, seq, batch):
+        """(batch, 4 x properties): per compound, the fraction-weighted mean and mean absolute
+        deviation of its elements' properties, and their minimum and maximum."""
+        props = self.table[z]
+        w = frac[:, None]
+        zeros = props.new_zeros(batch, props.shape[1])
+        mean = zeros.index_add(0, seq, w * props)
+        deviation = zeros.index_add(0, seq, w * (props - mean[seq]).abs())
+        low = zeros.index_reduce(0, seq, props, "amin", include_self=False)
+        high = zeros.index_reduce(0, seq, props, "amax", include_self=False)
+        return torch.cat([mean, deviation, low, high], -1)
 
 
 BACKENDS = ("kernels", "torch", "torch_grouped_mm")
@@ -305,9 +331,9 @@ def train_model(train, table, device, *, epochs, batch_size=256, lr=1e-3, seed=0
             loss.backward()
             optimizer.step()
             schedule.step()
-            epoch_losses.append(loss.item())
+            epoch_losses.append(loss.detach())  # read once an epoch: a read each step waits for the GPU
             tokens += z.numel()
-        losses.append(statistics.fmean(epoch_losses))
+        losses.append(torch.stack(epoch_losses).mean().item())
     seconds = time.perf_counter() - start
     return model, losses, seconds, tokens / seconds
 

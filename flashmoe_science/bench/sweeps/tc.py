@@ -26,6 +26,9 @@ VARIANTS = [["log1p", {"target": "log1p", "fraction_frequencies": 0}, {"epochs":
             ["kelvin", {"target": "kelvin", "fraction_frequencies": 0}, {"epochs": 60, "lr": 2e-3}],
             ["kelvin-fourier16", {"target": "kelvin", "fraction_frequencies": 16}, {"epochs": 60, "lr": 2e-3}],
             ["kelvin-fourier16-d256-L4", {"target": "kelvin", "fraction_frequencies": 16, "dim": 256, "depth": 4},
+             {"epochs": 100, "lr": 1e-3}],
+            ["d256-L4-stats", {"dim": 256, "depth": 4, "composition_stats": True}, {"epochs": 100, "lr": 1e-3}],
+            ["d256-L4-stats-dropout0.1", {"dim": 256, "depth": 4, "composition_stats": True, "dropout": 0.1},
              {"epochs": 100, "lr": 1e-3}]]
 
 
