@@ -85,7 +85,7 @@ def _compile_row(capability: int, index: int) -> dict:
         bound = re.search(r"^\s*\.maxnreg (\d+)", ptx, re.M)  # the launch's, or Triton's own
         registers, spills = _registers_and_spills(log.getvalue())
         row.update(shared=kernel.metadata.shared, fits=kernel.metadata.shared <= limit,
-                   wgmma="wgmma" in ptx, tma="cp.async.bulk.tensor" in ptx,
+                   wgmma="wgmma" in ptx, tma="cp.async.bulk.tensor" in ptx, griddepcontrol="griddepcontrol" in ptx,
                    maxnreg=int(bound.group(1)) if bound else None, registers=registers, spill_stores=spills,
                    error=None)
     return row

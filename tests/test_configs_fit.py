@@ -52,6 +52,20 @@ def test_hopper_attention_forward_uses_wgmma(compiled_rows):
 
 
 @pytest.mark.targets
+def test_decode_combine_launches_as_a_dependent_of_the_split_kernel_on_hopper_only(compiled_rows):
+    """sm90's KV-cache split builds that hand over to the combine kernel signal it
+    (griddepcontrol.launch_dependents) and its combine builds wait for them (griddepcontrol.wait);
+    no other target's decode build holds the instruction, which needs sm90."""
+    decode = [r for r in compiled_rows if r["label"].startswith(("attention_decode", "kv_cache_append"))]
+    hopper = [r for r in decode if r["target"] == "sm90" and r["label"].startswith("attention_decode_combine")]
+    hopper += [r for r in decode if r["target"] == "sm90" and r["label"].startswith("attention_decode_split")
+               and "paged=False" in r["label"]]  # the builds with partials for the combine
+    assert hopper and all(r["griddepcontrol"] for r in hopper), [r["label"] for r in hopper if not r["griddepcontrol"]]
+    assert not any(r["griddepcontrol"] for r in decode if r["target"] != "sm90")
+    assert not any(r["griddepcontrol"] for r in decode if r["label"].startswith("kv_cache_append"))
+
+
+@pytest.mark.targets
 def test_hopper_attention_backward_tma_builds_use_wgmma_and_the_copy_engine(compiled_rows):
     """The backward builds that move tiles through descriptors (the Triton kernels' tma builds and
     the Gluon kernels) compile to bulk tensor copies and wgmma products on sm90; the pointer

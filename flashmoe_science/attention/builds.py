@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from itertools import product
 
+from ..device import PDL_MIN_CAPABILITY
 from ..float8 import FP8_MIN_CAPABILITY
 from ..kernel_build import KernelBuild
 from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, GLUON_FP8_FORWARD, HOPPER_FORWARD, PREPROCESS_WARPS,
@@ -78,12 +79,15 @@ def _decode_builds(capability: int):
     an int length, partials for the combine kernel) and with every option on (paged, softcap, a
     lengths tensor, one split writing the output and lse); where FP8 runs (sm89 and newer), the
     16-bit configurations again on FP8 caches, per-head descales with the plain options and
-    per-token ones with every option; the combine and append kernels per dtype and head dim."""
-    from ._kernels.decode import (HEAD_SCALES, NO_SCALES, TOKEN_SCALES, attention_decode_combine_kernel,
-                                  attention_decode_split_kernel, kv_cache_append_kernel)
+    per-token ones with every option; the combine and append kernels per dtype and head dim. Where
+    the combine launches as a programmatic dependent (sm90), the split kernel and it with PDL on."""
+    from ._kernels.decode import (HEAD_SCALES, NO_SCALES, PDL_AVAILABLE, TOKEN_SCALES,
+                                  attention_decode_combine_kernel, attention_decode_split_kernel,
+                                  kv_cache_append_kernel)
 
     ptr = {2: "*fp16", 4: "*fp32"}
     fp8 = capability >= FP8_MIN_CAPABILITY
+    pdl = PDL_AVAILABLE and capability >= PDL_MIN_CAPABILITY
     plain = [(False, False, NO_SCALES.value), (True, True, NO_SCALES.value)]
     fp8_caches = [(False, False, HEAD_SCALES.value), (True, True, TOKEN_SCALES.value)]
     builds = [(element_size, block_d, cfg, plain) for element_size, block_d, cfg in decode_configs()]
@@ -100,7 +104,7 @@ def _decode_builds(capability: int):
                        softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               PAGE_SIZE=16 if paged else 0, SOFTCAP=softcap, LENGTHS_TENSOR=paged, SINGLE=paged,
-                              WRITE_LSE=paged, SCALES=scales)
+                              WRITE_LSE=paged, SCALES=scales, PDL=pdl)
             sig.update({name: "constexpr" for name in constexprs})
             cache_label = f" fp8 cache scales={scales}" if scales else ""
             yield KernelBuild(label=f"attention_decode_split fp{8 * element_size}{cache_label} D={block_d} "
@@ -112,7 +116,7 @@ def _decode_builds(capability: int):
     for element_size, block_d in product((2, 4), (16, 32, 64, 128, 256)):
         sig = {name: "i32" for name in attention_decode_combine_kernel.arg_names}
         sig.update(O_PART="*fp32", LSE_PART="*fp32", OUT=ptr[element_size], LSE="*fp32")
-        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_S=DECODE_COMBINE_SPLITS, WRITE_LSE=True)
+        constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_S=DECODE_COMBINE_SPLITS, WRITE_LSE=True, PDL=pdl)
         sig.update({name: "constexpr" for name in constexprs})
         yield KernelBuild(label=f"attention_decode_combine fp{8 * element_size} D={block_d}",
                           fn=attention_decode_combine_kernel, signature=sig, constexprs=constexprs,

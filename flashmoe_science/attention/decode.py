@@ -26,10 +26,10 @@ import numbers
 
 import torch
 
-from ..device import check_runnable, info_for
+from ..device import PDL_MIN_CAPABILITY, check_runnable, info_for
 from ..float8 import FP8_DTYPE, check_fp8_device
 from ..launch import KernelLauncher, PlanCache
-from ._kernels.decode import (HEAD_SCALES, NO_SCALES, TOKEN_SCALES, attention_decode_combine_kernel,
+from ._kernels.decode import (HEAD_SCALES, NO_SCALES, PDL_AVAILABLE, TOKEN_SCALES, attention_decode_combine_kernel,
                               attention_decode_split_kernel, kv_cache_append_kernel)
 from .checks import DTYPES, NO_WINDOW, check_band, check_bool, check_options, check_tensor
 from .configs import DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, decode_config, decode_splits, head_dim_block
@@ -177,7 +177,8 @@ class DecodePlan:
     """What a call's shapes, strides, dtypes and options decide: tiles, splits, grids, workspace."""
 
     __slots__ = ("config", "rows", "block_m", "rows_padded", "num_splits", "split_len", "split_grid",
-                 "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index")
+                 "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index",
+                 "pdl", "combine_options")
 
     def __init__(self, q, k_cache, block_table, causal, window_size, num_splits, config=None):
         """`config` (an AttentionConfig) replaces the table's, for the tuning sweep."""
@@ -202,6 +203,10 @@ class DecodePlan:
         self.window = kernel_window(causal, window_size)
         self.page_size = k_cache.shape[1] if block_table is not None else 0
         self.device_index = q.device.index if q.device.type == "cuda" else None
+        # The combine kernel as a programmatic dependent launch (griddepcontrol, sm90 on):
+        # `_kernels/decode.py`'s docstring.
+        self.pdl = PDL_AVAILABLE and info_for(q).capability >= PDL_MIN_CAPABILITY
+        self.combine_options = {"launch_pdl": True} if self.pdl else {}
 
 
 def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,
@@ -284,14 +289,17 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
                    heads_q // heads_kv, seqlen_q, seqlen_new, cache_len, has_leftpad, plan.capacity,
                    k_cache.shape[0], plan.rows,
                    plan.rows_padded, plan.split_len, plan.num_splits, *plan.window, head_dim, plan.block_d,
-                   plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor, single, write_lse, scales),
+                   plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor, single, write_lse, scales,
+                   plan.pdl),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     if single:
         return
     _COMBINE.launch(key, plan.combine_grid,
                     (o_part, lse_part, out, lse_arg, *out.stride()[:3], *lse_strides, heads_kv, heads_q // heads_kv,
-                     plan.rows_padded, plan.num_splits, head_dim, plan.block_d, DECODE_COMBINE_SPLITS, write_lse),
-                    num_warps=DECODE_COMBINE_WARPS, num_stages=1, device_index=plan.device_index)
+                     plan.rows_padded, plan.num_splits, head_dim, plan.block_d, DECODE_COMBINE_SPLITS, write_lse,
+                     plan.pdl),
+                    num_warps=DECODE_COMBINE_WARPS, num_stages=1, device_index=plan.device_index,
+                    **plan.combine_options)
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
