@@ -281,40 +281,60 @@ def test_dense_short_queries_take_the_kv_cache_kernels(Sq, Hq, Hkv, Sk, options,
 
 @given(st.data())
 def test_any_cache_matches_reference(data):
-    """Property: any batch, query length, GQA ratio, head dim, capacity, page size, lengths
-    (including 0 and full), split count, window, softcap and scale, contiguous and paged alike."""
+    """Property: any batch, query length, GQA ratio, head dim, dtype, capacity, page size, lengths
+    (including 0 and full; a tensor or, when all equal, an int), new keys appended in place (none,
+    or as many as the queries), left padding, split count, window, softcap and scale, contiguous
+    and paged alike; the caches afterwards hold exactly the appended keys and values."""
     draw = data.draw
     heads_kv = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2, 4, 8]))
     batch, seqlen_q = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     dim = draw(st.sampled_from([16, 24, 32, 64]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16]))
     page_size = draw(st.sampled_from([0, 16, 32]))
     capacity = draw(st.integers(1, 5)) * 32
-    lengths = [draw(st.integers(0, capacity)) for _ in range(batch)]
+    new = draw(st.sampled_from([0, 0, seqlen_q]))
+    lengths = [draw(st.integers(0, capacity - new)) for _ in range(batch)]
+    if draw(st.booleans()):
+        lengths = [lengths[0]] * batch
+    starts = [draw(st.integers(0, n)) for n in lengths] if draw(st.booleans()) else None
     options = dict(softmax_scale=draw(st.sampled_from([None, 0.5, -0.3])),
                    softcap=draw(st.sampled_from([0.0, 2.0])),
                    window_size=(draw(st.sampled_from([-1, 0, 7, 40])), -1))
     causal = draw(st.booleans())
     num_splits = draw(st.sampled_from([0, 1, 2, 5]))
-    q = torch.randn(batch, seqlen_q, heads_kv * group, dim)
-    k_cache, v_cache = make_cache(batch, capacity, heads_kv, dim, torch.float32, "cpu", lengths)
-    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    int_length = len(set(lengths)) == 1 and draw(st.booleans())
+    q = torch.randn(batch, seqlen_q, heads_kv * group, dim).to(dtype)
+    k_cache, v_cache = make_cache(batch, capacity, heads_kv, dim, dtype, "cpu", lengths)
+    k_new, v_new = (torch.randn(batch, new, heads_kv, dim).to(dtype) for _ in range(2))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        expected_k[b, n:n + new], expected_v[b, n:n + new] = k_new[b], v_new[b]
+    seqlens = lengths[0] if int_length else torch.tensor(lengths, dtype=torch.int32)
     table = None
     if page_size:
         k_cache, table = paged(k_cache, page_size)
         v_cache = pages_like(v_cache, k_cache, table)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out, lse = flash_attention_with_kvcache(q.to(device), k_cache.to(device), v_cache.to(device),
-                                            cache_seqlens=seqlens.to(device),
-                                            block_table=None if table is None else table.to(device), causal=causal,
-                                            num_splits=num_splits, return_lse=True, **options)
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    out, lse = flash_attention_with_kvcache(
+        q.to(device), k_cache, v_cache, *((k_new.to(device), v_new.to(device)) if new else ()),
+        cache_seqlens=seqlens if int_length else seqlens.to(device),
+        block_table=None if table is None else table.to(device),
+        cache_leftpad=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
+        causal=causal, num_splits=num_splits, return_lse=True, **options)
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
     if table is not None:
         k_cache = k_cache[table.flatten().long()].reshape(batch, capacity, heads_kv, dim)
         v_cache = v_cache[table.flatten().long()].reshape(batch, capacity, heads_kv, dim)
-    ref, ref_lse = reference(q, k_cache, v_cache, lengths, causal, **options)
+    torch.testing.assert_close(k_cache, expected_k, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, expected_v, equal_nan=True, atol=0, rtol=0)
+    ref, ref_lse = reference(q, expected_k, expected_v, [n + new for n in lengths], causal, starts, **options)
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), seen)
-    tol = 3e-2 if out.is_cuda else 2e-5  # the GPU's fp32 products may run as TF32
+    assert torch.all(out.cpu().transpose(1, 2)[~seen] == 0), "rows that see no key are 0"
+    # The GPU's fp32 products may run as TF32; fp16 rounds q, k, v and the output.
+    tol = 3e-2 if out.is_cuda else 2e-5 if dtype == torch.float32 else 4e-3
     torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.cpu().double()[seen], ref_lse[seen].double(), atol=tol, rtol=tol)
 
