@@ -81,7 +81,8 @@ def test_fused_moe_gradients_match_reference(device, poisoned, T, E, k, H, I, dt
 
 
 @pytest.mark.parametrize("activation,scoring,renormalize", [("gelu", "softmax", True), ("silu", "softmax", False),
-                                                            ("silu", "sigmoid", True), ("gelu", "sigmoid", False)])
+                                                            ("silu", "sigmoid", True), ("gelu", "sigmoid", False),
+                                                            ("swiglu_oai", "softmax", True)])
 def test_fused_moe_gradient_options(device, poisoned, activation, scoring, renormalize):  # noqa: F811
     errors = moe_gradient_check(device, 21, 8, 2, 32, 32, torch.float32, activation=activation, scoring=scoring,
                                 renormalize=renormalize)

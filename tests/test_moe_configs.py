@@ -59,8 +59,12 @@ def _launched_build(op, capability):
     # DOT_PRECISION follows torch's float32 matmul precision at launch time; the compile check
     # builds the default's (3xTF32) for every build, so it is not part of a build's constexprs.
     launched = {name: value for name, value in record.constexprs.items() if name != "DOT_PRECISION"}
+    # A build's constexprs also fix the strides that are 1 at run time (Triton specialises them),
+    # which the launch record, holding the kernel's own constexpr parameters, leaves out.
     matches = [b for b in builds.shipped_builds(capability)
-               if b.fn.__name__ == record.kernel and b.constexprs == launched
+               if b.fn.__name__ == record.kernel
+               and {name: b.constexprs[name] for name in launched if name in b.constexprs} == launched
+               and not set(b.constexprs) - set(launched) - {"stride_wk", "stride_wn", "up_row", "column_rows"}
                and record.num_warps in (None, b.num_warps) and record.num_stages in (None, b.num_stages)]
     assert matches, f"{op} ran {record.kernel} {record.constexprs}, which no shipped build covers"
     return matches[0]

@@ -61,7 +61,7 @@ def test_fused_moe_matches_reference(device, poisoned, T, E, k, H, I, dtype):  #
         assert err < 1e-5
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", False), ("sigmoid", True)])
 def test_fused_moe_options(device, poisoned, activation, scoring, renormalize):  # noqa: F811
     T, E, k, H, I = 21, 8, 2, 32, 32
@@ -89,6 +89,54 @@ def test_fused_experts_given_routing(device, poisoned, ids_dtype, weights_dtype)
     ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
     assert not torch.isnan(out).any()
     assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpt_oss_experts_transposed_interleaved_and_biased(device, poisoned, interleaved, dtype):  # noqa: F811
+    """gpt-oss's experts as transformers stores them: gate_up_proj (E, H, 2I) and down_proj
+    (E, I, H), read in place through transposed views, gate and up rows interleaved (or not),
+    biases on both projections, and the clamped SwiGLU with pre-activations well past its clamps
+    (|gate|, |up| up to about 4 x 7); against float64, and the same bits as contiguous copies of
+    the weights. One and 37 tokens (decode and prefill layouts)."""
+    E, k, H, I = 8, 2, 48, 32
+    for T in (1, 37):
+        x = torch.randn(T, H, device=device).to(dtype)
+        gate_up_proj = (torch.randn(E, H, 2 * I, device=device) * 4 / H**0.5).to(dtype)
+        down_proj = (torch.randn(E, I, H, device=device) / I**0.5).to(dtype)
+        b1, b2 = torch.randn(E, 2 * I, device=device).to(dtype), torch.randn(E, H, device=device).to(dtype)
+        weights, ids = moe_route(torch.randn(T, E, device=device), k)
+        options = dict(activation="swiglu_oai", w1_bias=b1, w2_bias=b2, gate_up_interleaved=interleaved)
+        w1, w2 = gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
+        out = fused_experts(x, w1, w2, weights, ids, **options)
+        assert last_launch("moe_gate_up").constexprs["HAS_BIAS"] and last_launch("moe_down").constexprs["HAS_BIAS"]
+        assert torch.equal(out, fused_experts(x, w1.contiguous(), w2.contiguous(), weights, ids, **options))
+        as64 = {**options, "w1_bias": b1.double(), "w2_bias": b2.double()}
+        ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids, **as64)
+        gate_up = (x.double() @ w1[ids[0, 0]].double().T + b1[ids[0, 0]].double()).abs()
+        if T > 1:
+            assert gate_up.max() > 7, "the clamps were not reached"
+        err = check_against_reference(out, ref, fused_experts_torch(x, w1, w2, weights, ids, **options))
+        if dtype == torch.float32 and device.type == "cpu":
+            assert err < 1e-5
+
+
+def test_gpt_oss_options_are_for_inference_and_named_when_wrong(device):
+    E, k, H, I, T = 4, 2, 32, 16, 5
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    weights, ids = moe_route(torch.randn(T, E, device=device), k)
+    b1, b2 = torch.zeros(E, 2 * I, device=device), torch.zeros(E, H, device=device)
+    with pytest.raises(NotImplementedError, match="inference only"):
+        fused_experts(x.requires_grad_(), w1, w2, weights, ids, w1_bias=b1)
+    x = x.detach()
+    with pytest.raises(ValueError, match=r"w2_bias has shape \(4, 16\); expected \(4, 32\)"):
+        fused_experts(x, w1, w2, weights, ids, w2_bias=b2[:, :I])
+    with pytest.raises(TypeError, match="w1_bias must have hidden_states' dtype"):
+        fused_experts(x, w1, w2, weights, ids, w1_bias=b1.half())
+    with pytest.raises(TypeError, match="gate_up_interleaved must be a bool"):
+        fused_experts(x, w1, w2, weights, ids, gate_up_interleaved=1)
+    out = fused_experts(x, w1, w2, weights, ids, w1_bias=b1, w2_bias=b2)  # zero biases: the plain result
+    torch.testing.assert_close(out, fused_experts(x, w1, w2, weights, ids), rtol=0, atol=0)
 
 
 def test_idle_experts_and_one_expert_for_every_token(device, poisoned):  # noqa: F811

@@ -182,6 +182,42 @@ def test_experts_that_the_kernels_cannot_express_fall_back_with_one_warning(monk
     assert rel(logits, eager(ids).logits) < 1e-5
 
 
+def test_gpt_oss_experts_run_our_kernels_for_inference_and_fall_back_for_training(monkeypatch):
+    """gpt-oss's experts (weights stored transposed, gate and up interleaved, biases, the clamped
+    SwiGLU): logits of inference on our kernels equal eager's; training runs transformers'
+    grouped_mm experts with one warning, and its gradients are eager's. (Its attention, with
+    sinks, stays eager here.)"""
+    from flashmoe_science.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "_WARNED", set())
+
+    def config():
+        return transformers.GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=8, **_COMMON)
+
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="eager",
+                                                          experts_implementation="eager").float().to(DEVICE)
+    ours = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="eager",
+                                                         experts_implementation="fms").float().to(DEVICE)
+    ours.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 96, (2, 12), device=DEVICE)
+    with torch.no_grad():
+        clear_records()
+        logits = ours(ids).logits
+        assert last_launch("moe_gate_up").constexprs["ACTIVATION"] == "swiglu_oai"
+        assert rel(logits, eager(ids).logits) < 1e-5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ours(ids, labels=ids)
+    assert sum("grouped_mm" in str(w.message) and "training" in str(w.message) for w in caught) == 1
+    out.loss.backward()
+    eager(ids, labels=ids).loss.backward()
+    for (name, p), (_, p_ref) in zip(ours.named_parameters(), eager.named_parameters()):
+        if p_ref.grad is not None and p_ref.grad.norm() > 0:
+            assert rel(p.grad, p_ref.grad) < 1e-4, name
+
+
 def test_what_the_attention_cannot_honour_is_refused():
     _, ours = models("qwen3_moe")
     ours.config.attention_dropout = 0.1

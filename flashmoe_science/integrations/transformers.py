@@ -21,10 +21,12 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
   one shape for the whole generation (`static_cache_mask`).
 - Experts (`fms_experts_forward`): `fused_experts` on the module's own `gate_up_proj` (E, 2I, H:
   gate rows then up rows) and `down_proj` (E, H, I), forward and backward, with the model's
-  router (its top-k ids and weights). Experts our kernels cannot express (transposed or
-  interleaved weights, biases, no gate, a custom gate, a post-expert norm, an activation other
-  than SiLU or tanh-GELU, top_k above 8, expert parallelism) run transformers' `grouped_mm` experts, with a
-  warning naming the reason once per module class.
+  router (its top-k ids and weights). gpt-oss's experts (weights stored transposed, gate and up
+  rows interleaved, biases, its clamped SwiGLU) run on the same kernels for inference. Experts
+  our kernels cannot express (no gate, another custom gate, a post-expert norm, an activation
+  other than SiLU or tanh-GELU, top_k above 8, expert parallelism; training with gpt-oss's
+  layout) run transformers' `grouped_mm` experts, with a warning naming the reason once per
+  module class and reason.
 
 Importing `flashmoe_science` never imports transformers; this module does (the `[hf]` extra).
 """
@@ -186,44 +188,71 @@ def _padded_attention(query, key, value, mask, causal, options):
     return full.view(batch, seqlen_q, heads_q, dim_v)
 
 
-def _fallback_reason(module, hidden_states, top_k: int) -> str | None:
-    """Why our kernels cannot run this experts module as it is, or None."""
+def _clamped_swiglu_gate(module) -> bool:
+    """Whether the module gates with gpt-oss's clamped SwiGLU at the constants of our
+    "swiglu_oai" (its `_apply_gate`, alpha 1.702, limit 7)."""
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return False
+    from ..moe.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
+    return (getattr(type(module), "_apply_gate", None) is GptOssExperts._apply_gate
+            and getattr(module, "alpha", None) == SWIGLU_OAI_ALPHA and getattr(module, "limit", None) == SWIGLU_OAI_LIMIT)
+
+
+def _experts_call(module, hidden_states, top_k: int):
+    """(None, `fused_experts`' weights and options for this experts module), or (why our kernels
+    cannot run it, None). Transposed weights are read in place as views, interleaved gate/up rows
+    and biases are kernel options: all three for inference (gradients of biases and interleaved
+    rows are not implemented; a transposed weight's gradient would cost a copy a step)."""
     from transformers.integrations.moe import _default_apply_gate
 
-    flags = {"is_transposed": True, "has_bias": True, "has_gate": False, "is_concatenated": False,
-             "has_post_expert_norm": True, "_is_expert_parallel": True}
+    flags = {"has_gate": False, "has_post_expert_norm": True, "_is_expert_parallel": True}
     for flag, bad in flags.items():
         if getattr(module, flag, not bad) == bad:
-            return f"{flag}={bad}"
+            return f"{flag}={bad}", None
+    transposed, interleaved = getattr(module, "is_transposed", False), not getattr(module, "is_concatenated", True)
+    has_bias = getattr(module, "has_bias", False)
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return "a custom _apply_gate"
-    act = getattr(module.config, "hidden_act", None)
-    if act not in _ACTIVATIONS:
-        return f"activation {act!r} (ours: {', '.join(sorted(_ACTIVATIONS))})"
-    experts, inner2, hidden = module.gate_up_proj.shape
+        if not _clamped_swiglu_gate(module):
+            return "a custom _apply_gate", None
+        activation = "swiglu_oai"
+    else:
+        activation = _ACTIVATIONS.get(getattr(module.config, "hidden_act", None))
+        if activation is None:
+            return f"activation {module.config.hidden_act!r} (ours: {', '.join(sorted(_ACTIVATIONS))})", None
+    w1, w2 = module.gate_up_proj, module.down_proj
+    if transposed:  # (E, H, 2I) and (E, I, H): our (E, 2I, H) and (E, H, I) as views
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    experts, inner2, hidden = w1.shape
     if hidden_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {hidden_states.dtype}"
+        return f"dtype {hidden_states.dtype}", None
     if experts > 256 or hidden % 16 or (inner2 // 2) % 16:
-        return f"E={experts}, H={hidden}, I={inner2 // 2} (ours: E <= 256, H and I multiples of 16)"
+        return f"E={experts}, H={hidden}, I={inner2 // 2} (ours: E <= 256, H and I multiples of 16)", None
     if top_k > 8:
-        return f"top_k={top_k} (ours: up to 8)"
-    return None
+        return f"top_k={top_k} (ours: up to 8)", None
+    biases = (module.gate_up_proj_bias, module.down_proj_bias) if has_bias else (None, None)
+    if (transposed or interleaved or has_bias) and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden_states, w1, w2, *biases)):
+        return "training with transposed or interleaved weights or biases (ours: inference)", None
+    return None, dict(w1=w1, w2=w2, activation=activation, w1_bias=biases[0], w2_bias=biases[1],
+                      gate_up_interleaved=interleaved)
 
 
 def fms_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts contract: hidden_states (T, H), top_k_index (T, K) and top_k_weights
     (T, K) from the model's router; returns (T, H)."""
-    reason = _fallback_reason(self, hidden_states, top_k_index.shape[1])
+    reason, call = _experts_call(self, hidden_states, top_k_index.shape[1])
     if reason is not None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
-        if type(self) not in _WARNED:
-            _WARNED.add(type(self))
+        if (type(self), reason) not in _WARNED:
+            _WARNED.add((type(self), reason))
             warnings.warn(f"experts_implementation='{NAME}': {type(self).__name__} runs transformers' grouped_mm "
                           f"experts ({reason} is not supported by the fused kernels)", stacklevel=2)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index,
-                         activation=_ACTIVATIONS[self.config.hidden_act])
+    return fused_experts(hidden_states, topk_weights=top_k_weights, topk_ids=top_k_index, **call)
 
 
 def _fp8_fallback_reason(module, hidden_states, top_k: int) -> str | None:

@@ -45,7 +45,7 @@ class FlashMoELayer(nn.Module):
         expert_dim: I, each expert's intermediate width, a multiple of 16.
         top_k: experts per token, 1 to min(E, 8).
         renormalize: divide the k chosen probabilities by their sum (Mixtral, Qwen3-MoE).
-        activation: "silu" or "gelu".
+        activation: "silu", "gelu" or "swiglu_oai" (`fused_experts`).
         num_shared_experts: S >= 0. With S > 0 every token also goes through one dense gated
             MLP of width S * I (the same activation), added to the output. One MLP of width
             S * I computes exactly the sum of S experts of width I, so this is also "S shared

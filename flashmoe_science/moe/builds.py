@@ -59,20 +59,34 @@ def shipped_builds(capability: int):
         for dtype, tma in product(_TRITON_DTYPES[element_size], (False, True) if cfg.tma and capability == 90
                                   else (False,)):
             g, d = cfg.gate_up, cfg.down
-            for activation in ACTIVATIONS:
-                yield build(f"moe_gate_up {dtype} {activation} BLOCK_M={cfg.block_m} {g}", gate_up_kernel,
-                            dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", h_ptr=f"*{dtype}", h_grads_ptr=f"*{dtype}",
-                                 **layout),
+            # gpt-oss's experts (`moe.experts.GPT_OSS`) in the 16-bit dtypes of its checkpoints: biases,
+            # interleaved gate and up rows, the clamped SwiGLU, and weights stored transposed
+            # (transformers' layout; unit stride along the output columns), on the pointer path.
+            gpt_oss = element_size == 2 and not tma
+            for activation, bias in [(a, False) for a in ACTIVATIONS] + ([("swiglu_oai", True)] if gpt_oss else []):
+                # what is 1 at run time is a compile-time constant (Triton specialises it): the unit
+                # stride along K and the step between columns' gate rows of our layout; gpt-oss's
+                # unit stride along N and the step from a gate row to its up row (interleaved)
+                strides = dict(stride_wn=1, up_row=1) if bias else dict(stride_wk=1, column_rows=1)
+                yield build(f"moe_gate_up {dtype} {activation}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {g}",
+                            gate_up_kernel,
+                            dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", b1_ptr=f"*{dtype}", h_ptr=f"*{dtype}",
+                                 h_grads_ptr=f"*{dtype}", **layout),
                             dict(ACTIVATION=activation, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
-                                 BLOCK_K=g.block_k, GROUP_M=g.group_m, TMA=tma),
-                            g.num_warps, g.num_stages, aligned=("H", "I", "stride_xt", "stride_we", "stride_wn"),
+                                 BLOCK_K=g.block_k, GROUP_M=g.group_m, TMA=tma, HAS_BIAS=bias, **strides),
+                            g.num_warps, g.num_stages,
+                            aligned=("H", "I", "stride_xt", "stride_we", "stride_wk" if bias else "stride_wn"),
                             descriptors=tma and descriptors["moe_gate_up"])
-            yield build(f"moe_down {dtype} BLOCK_M={cfg.block_m} {d}", down_kernel,
-                        dict(h_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", y_ptr=f"*{dtype}", weights_ptr="*fp32",
-                             **layout),
-                        dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m, TMA=tma),
-                        d.num_warps, d.num_stages, aligned=("H", "I", "stride_we", "stride_wn"),
-                        descriptors=tma and descriptors["moe_down"])
+            for bias in (False, True) if gpt_oss else (False,):
+                strides = dict(stride_wn=1) if bias else dict(stride_wk=1)
+                yield build(f"moe_down {dtype}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {d}", down_kernel,
+                            dict(h_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", b2_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
+                                 weights_ptr="*fp32", **layout),
+                            dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m, TMA=tma,
+                                 HAS_BIAS=bias, **strides),
+                            d.num_warps, d.num_stages,
+                            aligned=("H", "I", "stride_we", "stride_wk" if bias else "stride_wn"),
+                            descriptors=tma and descriptors["moe_down"])
     weight_grads = {}  # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M, tma)
     for element_size, block_m, cfg in backward_configs(capability):
         for dtype, tma in product(_TRITON_DTYPES[element_size], (False, True) if cfg.tma and capability == 90

@@ -256,7 +256,9 @@ COMBINE_BLOCK_H = 256
 COMBINE_WARPS = 4
 COMBINE_STAGES = 1
 
-ACTIVATIONS = ("silu", "gelu")
+# The gated activations of the expert kernels: SwiGLU, GeGLU (tanh approximation) and gpt-oss's
+# clamped SwiGLU (`_kernels/grouped_gemm._clamped_swiglu`).
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 _TRITON_DTYPES = {2: ("fp16", "bf16"), 4: ("fp32",)}
 
 

@@ -41,6 +41,9 @@ _GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel, fp32_dots=True)
 _DOWN = KernelLauncher("moe_down", down_kernel, fp32_dots=True)
 _COMBINE = KernelLauncher("moe_combine", combine_kernel)
 _ID_DTYPES = (torch.int32, torch.int64)
+# The expert kernels' K offsets within a tile are 32-bit (`_kernels/grouped_gemm._expert_tile_ptrs`):
+# weights read in place with a larger stride along K are copied first.
+MAX_K_STRIDE = 2**22
 NO_BLOCK_SHAPE = "block_shape applies to FP8 weights only (w1, w2 in torch.float8_e4m3fn with w1_scale, w2_scale)"
 
 
@@ -92,7 +95,11 @@ class _ExpertsPlan:
     __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "config", "dispatch", "path",
                  "copy_x", "copy_w1", "copy_w2", "device_index", "launch_key")
 
-    def __init__(self, key, hidden_states, w1, w2, top_k: int, config: configs.ExpertsConfig | None = None):
+    def __init__(self, key, hidden_states, w1, w2, top_k: int, config: configs.ExpertsConfig | None = None,
+                 transposed_in_place: bool = False):
+        """`transposed_in_place`: the forward kernels read weights whose unit stride is along their
+        output rows (transposed views, as transformers stores gpt-oss's) where they lie (the
+        backward kernels read them with unit stride along the last dimension: copied first)."""
         T, H = hidden_states.shape
         E, two_i, _ = w1.shape
         # Row indices of the padded layout (pairs plus up to BLOCK_M - 1 padding rows per expert)
@@ -107,8 +114,8 @@ class _ExpertsPlan:
         self.path = configs.path_name(T)
         # The kernels read rows with unit stride along H (and I); other layouts are copied once.
         self.copy_x = hidden_states.stride(1) != 1
-        self.copy_w1 = w1.stride(2) != 1
-        self.copy_w2 = w2.stride(2) != 1
+        self.copy_w1, self.copy_w2 = (w.stride(2) != 1 and not (transposed_in_place and w.stride(1) == 1
+                                                                and w.stride(2) < MAX_K_STRIDE) for w in (w1, w2))
         self.device_index = self.dispatch.device_index
         # What the launchers cache compiled kernels by: the call's facts and the configuration
         # (a tuned configuration replaces the table's for the same call facts).
@@ -137,43 +144,56 @@ def tma_descriptor(t: torch.Tensor, block, shape=None, strides=None) -> TensorDe
                                 list(t.stride() if strides is None else strides), list(block))
 
 
-def gate_up_weight_descriptor(w1: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+def gate_up_rows(w1: torch.Tensor, interleaved: bool) -> tuple[int, int]:
+    """(rows from one column's gate row to the next column's, from a column's gate row to its up
+    row) of w1 (E, 2I, H): gate rows then up rows (1, I), or interleaved, gate, up, ... (2, 1)."""
+    return (2, 1) if interleaved else (1, w1.shape[1] // 2)
+
+
+def gate_up_weight_descriptor(w1: torch.Tensor, block_n: int, block_k: int, interleaved: bool) -> TensorDescriptor:
     """w1 (E, 2I, H) seen as (E, I, 2, H), in boxes of (1, block_n, 2, block_k): each box holds the
     gate and up rows of block_n columns interleaved, gate_up_kernel's B tile."""
     E, two_i, H = w1.shape
+    column_rows, up_row = gate_up_rows(w1, interleaved)
     return tma_descriptor(w1, (1, block_n, 2, block_k), (E, two_i // 2, 2, H),
-                          (w1.stride(0), w1.stride(1), two_i // 2 * w1.stride(1), 1))
+                          (w1.stride(0), column_rows * w1.stride(1), up_row * w1.stride(1), 1))
 
 
 def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, x, w1, h, top_k: int,
-                   activation: str, device_index, h_grads=None) -> None:
-    """h (layout rows, I) = act(x @ w1[e, :I].T) * (x @ w1[e, I:].T) for every pair of the layout;
-    with `h_grads` ((layout rows, 2I), x's dtype) also the activation's local derivatives
-    [dh/dgate, dh/dup] = [up * act'(gate), act(gate)]."""
+                   activation: str, device_index, h_grads=None, w1_bias=None, interleaved: bool = False) -> None:
+    """h (layout rows, I) = act(gate, up), [gate, up] = x @ w1[e].T (+ w1_bias[e]), for every
+    pair of the layout (w1's gate and up rows as `gate_up_rows` says); with `h_grads`
+    ((layout rows, 2I), x's dtype) also the activation's local derivatives [dh/dgate, dh/dup].
+    Biased calls run the pointer path (the builds of the biased kernel)."""
     g = cfg.gate_up
     H, I = x.shape[1], h.shape[1]
-    tma = cfg.tma and tma_capable(x) and tma_addressable(w1)
+    tma = cfg.tma and w1_bias is None and tma_capable(x) and tma_addressable(w1)
+    column_rows, up_row = gate_up_rows(w1, interleaved)
     _GATE_UP.launch(
         launch_key_with_tma(key, tma), (layout.num_blocks * -(-I // g.block_n), 1, 1),
-        (x, gate_up_weight_descriptor(w1, g.block_n, g.block_k) if tma else w1, h, h if h_grads is None else h_grads,
+        (x, gate_up_weight_descriptor(w1, g.block_n, g.block_k, interleaved) if tma else w1,
+         x if w1_bias is None else w1_bias, h, h if h_grads is None else h_grads,
          layout.sorted_pairs, layout.block_expert, layout.block_rows,
          layout.num_blocks, H, I, top_k, int(h_grads is not None), x.stride(0), w1.stride(0), w1.stride(1),
-         activation, cfg.block_m, g.block_n, g.block_k, g.group_m, tma),
+         w1.stride(2), up_row, column_rows, 0 if w1_bias is None else w1_bias.stride(0),
+         activation, cfg.block_m, g.block_n, g.block_k, g.group_m, tma, w1_bias is not None),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=device_index)
 
 
 def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, w2, y, topk_weights,
-                device_index) -> None:
-    """y (T * top_k, H): row p = topk_weights[p] * (h[row of p] @ w2[e].T)."""
+                device_index, w2_bias=None) -> None:
+    """y (T * top_k, H): row p = topk_weights[p] * (h[row of p] @ w2[e].T (+ w2_bias[e])).
+    Biased calls run the pointer path (the builds of the biased kernel)."""
     d = cfg.down
     H, I = y.shape[1], h.shape[1]
-    tma = cfg.tma and tma_capable(h) and tma_addressable(h, w2)
+    tma = cfg.tma and w2_bias is None and tma_capable(h) and tma_addressable(h, w2)
     _DOWN.launch(
         launch_key_with_tma(key, tma), (layout.num_blocks * -(-H // d.block_n), 1, 1),
         (tma_descriptor(h, (cfg.block_m, d.block_k)) if tma else h,
-         tma_descriptor(w2, (1, d.block_n, d.block_k)) if tma else w2, y, topk_weights, layout.sorted_pairs,
-         layout.block_expert, layout.block_rows, layout.num_blocks,
-         H, I, w2.stride(0), w2.stride(1), cfg.block_m, d.block_n, d.block_k, d.group_m, tma),
+         tma_descriptor(w2, (1, d.block_n, d.block_k)) if tma else w2, y if w2_bias is None else w2_bias, y,
+         topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks,
+         H, I, w2.stride(0), w2.stride(1), w2.stride(2), 0 if w2_bias is None else w2_bias.stride(0), cfg.block_m,
+         d.block_n, d.block_k, d.group_m, tma, w2_bias is not None),
         num_warps=d.num_warps, num_stages=d.num_stages, device_index=device_index)
 
 
@@ -186,26 +206,29 @@ def launch_combine(key, y, topk_ids, out, num_experts: int, device_index) -> Non
         num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index)
 
 
-def _run_gate_up(plan: _ExpertsPlan, x, w1, layout, activation, h_grads=None):
+def _run_gate_up(plan: _ExpertsPlan, x, w1, layout, activation, h_grads=None, w1_bias=None, interleaved=False):
     """Launches gate/up (also storing the activation's derivatives in `h_grads` when given); returns
     h (layout rows, I) in x's dtype."""
     h = routing.allocate((layout.num_blocks * plan.config.block_m, plan.inter), x.dtype, x.device)
-    launch_gate_up(plan.launch_key, plan.config, layout, x, w1, h, plan.top_k, activation, plan.device_index, h_grads)
+    launch_gate_up(plan.launch_key, plan.config, layout, x, w1, h, plan.top_k, activation, plan.device_index, h_grads,
+                   w1_bias, interleaved)
     return h
 
 
-def _run_down(plan: _ExpertsPlan, h, w2, topk_weights, topk_ids, layout):
+def _run_down(plan: _ExpertsPlan, h, w2, topk_weights, topk_ids, layout, w2_bias=None):
     """Launches down and combine over the layout's h; returns out (T, H) in h's dtype."""
     y = routing.allocate((plan.dispatch.num_pairs, plan.hidden), h.dtype, h.device)
     out = routing.allocate((plan.num_tokens, plan.hidden), h.dtype, h.device)
-    launch_down(plan.launch_key, plan.config, layout, h, w2, y, topk_weights, plan.device_index)
+    launch_down(plan.launch_key, plan.config, layout, h, w2, y, topk_weights, plan.device_index, w2_bias)
     launch_combine(plan.launch_key, y, topk_ids, out, plan.num_experts, plan.device_index)
     return out
 
 
-def _run_experts(plan: _ExpertsPlan, x, w1, w2, topk_weights, topk_ids, layout, activation):
+def _run_experts(plan: _ExpertsPlan, x, w1, w2, topk_weights, topk_ids, layout, activation, w1_bias=None,
+                 w2_bias=None, interleaved=False):
     """The lean forward's expert launches: gate/up, down and combine; out (T, H) in x's dtype."""
-    return _run_down(plan, _run_gate_up(plan, x, w1, layout, activation), w2, topk_weights, topk_ids, layout)
+    h = _run_gate_up(plan, x, w1, layout, activation, None, w1_bias, interleaved)
+    return _run_down(plan, h, w2, topk_weights, topk_ids, layout, w2_bias)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -239,20 +262,43 @@ def _check_routing_tensors(hidden_states, topk_weights, topk_ids, num_experts) -
     routing.check_top_k(topk_ids.shape[1], num_experts)
 
 
-def _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation) -> _ExpertsPlan:
+def _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                      transposed_in_place: bool = False) -> _ExpertsPlan:
     """Checks a call of `fused_experts` (or its saving forward) and caches its plan under `key`."""
     _check_experts_args(hidden_states, w1, w2, activation)
     _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
-    return _EXPERTS_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1]))
+    return _EXPERTS_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1],
+                                                     transposed_in_place=transposed_in_place))
+
+
+def _check_biases(hidden_states, w1, w1_bias, w2_bias) -> None:
+    """The expert biases of a 16-bit or fp32 `fused_experts` call."""
+    E, two_i, _ = w1.shape
+    H = hidden_states.shape[1]
+    for name, t, shape in (("w1_bias", w1_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
+        if t is None:
+            continue
+        _check_tensor(name, t, 2, f"(E, {'2*I' if name == 'w1_bias' else 'H'})")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {shape} from w1 and hidden_states")
+        if t.dtype != hidden_states.dtype or t.device != hidden_states.device:
+            raise TypeError(f"{name} must have hidden_states' dtype and device ({hidden_states.dtype} on "
+                            f"{hidden_states.device}), got {t.dtype} on {t.device}")
+
+
+def _contiguous_rows(t):
+    """`t` (None, or 2-D) with unit stride along its last dimension, as the kernels read biases."""
+    return t if t is None or t.stride(1) == 1 else t.contiguous()
 
 
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", w1_scale=None, w2_scale=None,
-                  block_shape=None):
+                  block_shape=None, w1_bias=None, w2_bias=None, gate_up_interleaved=False):
     """The experts of an MoE layer for given routing, in fused Triton kernels; differentiable in
     hidden_states, w1, w2 and topk_weights.
 
     out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w1[e, :I] @ x_t) * (w1[e, I:] @ x_t)),
-    e = topk_ids[t, j].
+    e = topk_ids[t, j]; with expert biases, gate and up are w1[e] @ x_t + w1_bias[e] and w2_bias[e]
+    is added to each expert's output before its routing weight scales it (gpt-oss's experts).
 
     Args:
         hidden_states: (T, H) float16, bfloat16 or float32 (fp32 products follow torch's
@@ -265,7 +311,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         topk_ids: (T, top_k) int32 or int64. An id outside [0, E), of either dtype and of any
             magnitude, drops that slot: it contributes nothing (as for experts held by another
             rank), never another expert's output.
-        activation: "silu" (SwiGLU) or "gelu" (GeGLU, with the tanh approximation of GELU).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, with the tanh approximation of GELU) or
+            "swiglu_oai" (gpt-oss's: (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7)).
         w1_scale, w2_scale, block_shape: FP8 weights (inference): w1 and w2 in
             torch.float8_e4m3fn with float32 scales per 128 x 128 block (block_shape=(128, 128);
             (E, 2I / 128, H / 128) and (E, H / 128, I / 128)) or per output channel
@@ -273,8 +320,16 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
             float16 or bfloat16, quantised per token and 128 columns on the fly; H and I
             multiples of 128; compute capability 8.9 or newer (see `fp8.py`). Not differentiable.
 
-    E from 1 to 256, top_k from 1 to min(E, 8); H and I multiples of 16. The weights need unit
-    stride along their last dimension to be read in place (otherwise they are copied first).
+        w1_bias: (E, 2I) in w1's row order, and w2_bias: (E, H), hidden_states' dtype, or None.
+        gate_up_interleaved: w1's (and w1_bias') rows alternate gate, up, gate, ... instead of
+            gate rows then up rows (gpt-oss's layout).
+        Biases and interleaved rows are for inference: a call that needs gradients with either
+        raises NotImplementedError.
+
+    E from 1 to 256, top_k from 1 to min(E, 8); H and I multiples of 16. The weights are read in
+    place with unit stride along their last dimension, or, without gradients, along their middle
+    one (views of weights stored transposed, (E, H, 2I) and (E, I, H), as transformers stores
+    gpt-oss's); other layouts are copied first.
 
     Returns:
         out: (T, H) in hidden_states' dtype; (0, H) when T = 0. The result is deterministic: a
@@ -287,29 +342,43 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     slots get zero. Other calls take the lean path, which stores nothing; under torch.compile,
     through the custom op `flashmoe_science::moe_experts` (FP8 weights too).
     """
+    if gate_up_interleaved is not False and gate_up_interleaved is not True:
+        raise TypeError(f"gate_up_interleaved must be a bool, got {type(gate_up_interleaved).__name__}")
     fp8_weights = w1_scale is not None or w2_scale is not None or getattr(w1, "dtype", None) == fp8.FP8_DTYPE
-    if torch.compiler.is_compiling() and not routing.needs_gradient(hidden_states, w1, w2, topk_weights):
+    gpt_oss_form = w1_bias is not None or w2_bias is not None or gate_up_interleaved
+    if torch.compiler.is_compiling() and not routing.needs_gradient(hidden_states, w1, w2, topk_weights, w1_bias,
+                                                                     w2_bias):
         return _inference_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale,
-                             block_shape, fp8_weights)
+                             block_shape, fp8_weights, w1_bias, w2_bias, gate_up_interleaved)
     if fp8_weights:
+        if gpt_oss_form:
+            raise ValueError("FP8 experts take no w1_bias, w2_bias or gate_up_interleaved")
         return _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, block_shape,
                             activation)
     if block_shape is not None:
         raise ValueError(NO_BLOCK_SHAPE)
-    if routing.records_autograd(hidden_states, w1, w2, topk_weights):
+    if routing.records_autograd(hidden_states, w1, w2, topk_weights, w1_bias, w2_bias):
         _check_experts_args(hidden_states, w1, w2, activation)
+        _check_biases(hidden_states, w1, w1_bias, w2_bias)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
+        if gpt_oss_form:
+            raise NotImplementedError("fused_experts: gradients with expert biases or interleaved gate/up rows are "
+                                      "not implemented (inference only: call it under torch.no_grad())")
         return _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation)
     try:
         key = ("experts", tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
-               tensor_key(topk_ids), activation)
+               tensor_key(topk_ids), activation, None if w1_bias is None else tensor_key(w1_bias),
+               None if w2_bias is None else tensor_key(w2_bias), gate_up_interleaved)
         plan = _EXPERTS_PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks name it
         _check_experts_args(hidden_states, w1, w2, activation)
+        _check_biases(hidden_states, w1, w1_bias, w2_bias)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
         raise
     if plan is None:
-        plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation)
+        _check_biases(hidden_states, w1, w1_bias, w2_bias)
+        plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                 transposed_in_place=True)
     x, w1, w2 = plan.operands(hidden_states, w1, w2)
     if plan.num_tokens == 0:
         return x.new_empty((0, plan.hidden))
@@ -318,11 +387,12 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         topk_ids = routing.ids_int32(topk_ids, plan.num_experts)
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
-    return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation)
+    return _run_experts(plan, x, w1, w2, topk_weights, topk_ids, layout, activation, _contiguous_rows(w1_bias),
+                        _contiguous_rows(w2_bias), gate_up_interleaved)
 
 
 def _inference_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale, block_shape,
-                  fp8_weights: bool):
+                  fp8_weights: bool, w1_bias=None, w2_bias=None, gate_up_interleaved=False):
     """`fused_experts` traced by torch.compile with no gradient wanted: the arguments checked as far
     as shapes and dtypes tell, then one `flashmoe_science::moe_experts` op."""
     if fp8_weights:
@@ -331,9 +401,11 @@ def _inference_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_
         raise ValueError(NO_BLOCK_SHAPE)
     else:
         _check_experts_args(hidden_states, w1, w2, activation)
+        _check_biases(hidden_states, w1, w1_bias, w2_bias)
     _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
     return torch.ops.flashmoe_science.moe_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale,
-                                                  w2_scale, None if block_shape is None else list(block_shape))
+                                                  w2_scale, None if block_shape is None else list(block_shape),
+                                                  w1_bias, w2_bias, gate_up_interleaved)
 
 
 def _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, block_shape, activation):
@@ -490,7 +562,8 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
         router_logits: (T, E) float16, bfloat16 or float32, any dtype of the three.
         top_k: experts per token, 1 <= top_k <= min(E, 8).
         renormalize, scoring: as in `moe_route` (ties between equal scores: lower expert first).
-        activation: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation) or "swiglu_oai" (gpt-oss's
+            clamped SwiGLU, as in `fused_experts`).
         w1_scale, w2_scale, block_shape: FP8 weights for inference, as in `fused_experts`.
 
     Returns:
@@ -524,7 +597,7 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
         raise
     if plan is None:
         _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
-        plan = _MOE_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, top_k))
+        plan = _MOE_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, top_k, transposed_in_place=True))
     else:  # the key compares top_k=2.0 equal to 2 and renormalize=1 equal to True: types checked every call
         routing.check_top_k(top_k, plan.num_experts)
         routing.check_routing_options(renormalize, scoring)
@@ -603,7 +676,7 @@ def tune(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activ
     key = _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
     timings = {}
     for cfg in dict.fromkeys(cfg for _, cfg in table):
-        plan = _ExpertsPlan(key, hidden_states, w1, w2, top_k, cfg)
+        plan = _ExpertsPlan(key, hidden_states, w1, w2, top_k, cfg, transposed_in_place=True)
         timings[cfg] = _median_call_ms(functools.partial(
             _moe_forward, plan, hidden_states, w1, w2, router_logits, renormalize, activation, scoring))
     best = min(timings, key=timings.get)

@@ -99,15 +99,18 @@ def _experts_down_fake(hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads
 @torch.library.custom_op("flashmoe_science::moe_experts", mutates_args=())
 def experts_inference_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                          activation: str, w1_scale: Optional[Tensor], w2_scale: Optional[Tensor],
-                         block_shape: Optional[List[int]]) -> Tensor:
-    """`experts.fused_experts` without gradients (its lean path; FP8 weights with their scales)."""
+                         block_shape: Optional[List[int]], w1_bias: Optional[Tensor] = None,
+                         w2_bias: Optional[Tensor] = None, gate_up_interleaved: bool = False) -> Tensor:
+    """`experts.fused_experts` without gradients (its lean path; FP8 weights with their scales;
+    expert biases and interleaved gate/up rows)."""
     return experts.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation,
-                                 w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape)
+                                 w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape, w1_bias=w1_bias,
+                                 w2_bias=w2_bias, gate_up_interleaved=gate_up_interleaved)
 
 
 @experts_inference_op.register_fake
 def _experts_inference_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_scale, w2_scale,
-                            block_shape):
+                            block_shape, w1_bias=None, w2_bias=None, gate_up_interleaved=False):
     return hidden_states.new_empty((hidden_states.shape[0], w2.shape[1]))
 
 

@@ -21,16 +21,28 @@ def moe_route_torch(router_logits, top_k, *, renormalize=True, scoring="softmax"
     return weights, ids
 
 
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
 def gated_activation_torch(gate, up, activation="silu"):
-    """silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU)."""
+    """silu(gate) * up (SwiGLU), gelu_tanh(gate) * up (GeGLU) or gpt-oss's clamped SwiGLU
+    ("swiglu_oai", as transformers' GptOssExperts computes it)."""
+    if activation == "swiglu_oai":
+        gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+        up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+        return (up + 1) * gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return act * up
 
 
-def fused_experts_torch(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu"):
-    """out[t] = sum_j w[t, j] * w2[e] @ (act(w1[e, :I] @ x_t) * (w1[e, I:] @ x_t)), e = ids[t, j],
-    computed per expert in hidden_states' dtype (ids outside [0, E) contribute nothing)."""
+def fused_experts_torch(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", w1_bias=None,
+                        w2_bias=None, gate_up_interleaved=False):
+    """out[t] = sum_j w[t, j] * (w2[e] @ act(gate, up) + b2[e]), [gate, up] = w1[e] @ x_t + b1[e],
+    e = ids[t, j], computed per expert in hidden_states' dtype (ids outside [0, E) contribute
+    nothing); gate rows [0, I) and up rows [I, 2I) of w1 (and b1), or alternating (interleaved)."""
     inter = w1.shape[1] // 2
+    gate_rows, up_rows = ((slice(0, None, 2), slice(1, None, 2)) if gate_up_interleaved
+                          else (slice(0, inter), slice(inter, None)))
     out = torch.zeros_like(hidden_states)
     weights = topk_weights.to(hidden_states.dtype)
     for e in range(w1.shape[0]):
@@ -38,8 +50,10 @@ def fused_experts_torch(hidden_states, w1, w2, topk_weights, topk_ids, *, activa
         if tokens.numel() == 0:
             continue
         x = hidden_states[tokens]
-        h = gated_activation_torch(x @ w1[e, :inter].T, x @ w1[e, inter:].T, activation)
-        out.index_add_(0, tokens, (h @ w2[e].T) * weights[tokens, slots, None])
+        gate_up = x @ w1[e].T + (w1_bias[e] if w1_bias is not None else 0)
+        h = gated_activation_torch(gate_up[:, gate_rows], gate_up[:, up_rows], activation)
+        y = h @ w2[e].T + (w2_bias[e] if w2_bias is not None else 0)
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out
 
 

@@ -97,7 +97,7 @@ def gate_up_fp8_kernel(
     # Gate and up rows of the same columns interleaved in one B tile, as gate_up_kernel.
     offs_c = tl.arange(0, 2 * GROUP)
     w_rows = (offs_c % 2) * I + pid_n * GROUP + offs_c // 2
-    w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, w_rows, stride_wn, offs_k)
+    w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, w_rows, stride_wn, offs_k, 1)
     acc = tl.zeros((BLOCK_M, 2 * GROUP), dtype=tl.float32)
     for kb in range(0, H // GROUP):
         a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -134,7 +134,7 @@ def down_fp8_kernel(
     offs_k = tl.arange(0, GROUP)
     h_ptrs = hq_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
     hs_ptrs = hs_ptr + wide_offset(rows, I // GROUP)
-    w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
+    w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, I // GROUP):
         acc = _add_scaled(acc, tl.dot(tl.load(h_ptrs), tl.load(w_ptrs)), tl.load(hs_ptrs + kb), w2s_ptr, expert,

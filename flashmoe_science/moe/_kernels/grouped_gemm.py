@@ -46,6 +46,10 @@ from .offsets import wide_offset
 # GELU_SCALE = 2 * sqrt(2 / pi) (the backward kernels differentiate the same expression).
 GELU_SCALE = tl.constexpr(1.5957691216057308)
 GELU_CUBIC = tl.constexpr(0.044715)
+# gpt-oss's clamped SwiGLU ("swiglu_oai", `_clamped_swiglu`): transformers' GptOssExperts and
+# vLLM's swigluoai use these constants.
+SWIGLU_OAI_ALPHA = tl.constexpr(1.702)
+SWIGLU_OAI_LIMIT = tl.constexpr(7.0)
 
 
 @triton.jit
@@ -70,10 +74,14 @@ def _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, n_ou
 
 
 @triton.jit
-def _expert_tile_ptrs(w_ptr, expert, stride_we, offs_n, stride_wn, offs_k):
+def _expert_tile_ptrs(w_ptr, expert, stride_we, offs_n, stride_wn, offs_k, stride_wk):
     """Pointers to the (BLOCK_K, BLOCK_N) B-operand tile w[expert, offs_n, offs_k] of a weight
-    tensor stored (E, N, K) with K contiguous."""
-    return w_ptr + wide_offset(expert, stride_we) + wide_offset(offs_n, stride_wn)[None, :] + offs_k[:, None]
+    tensor (E, N, K) of strides (stride_we, stride_wn, stride_wk): K contiguous as our weights
+    are stored, or N contiguous (a transposed view, as transformers' gpt-oss stores them). The
+    K offsets stay 32-bit (the launcher keeps BLOCK_K x stride_wk far below 2**31; with K
+    contiguous, stride_wk is the constant 1)."""
+    return (w_ptr + wide_offset(expert, stride_we) + wide_offset(offs_n, stride_wn)[None, :]
+            + (offs_k * stride_wk)[:, None])
 
 
 @triton.jit
@@ -87,8 +95,27 @@ def _activation_sigmoid(gate, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _clamped_swiglu(gate, up):
+    """gpt-oss's gated activation ("swiglu_oai") and its local derivatives: (h, dh/dgate, dh/dup)
+    of h = (u + 1) * g * sigmoid(SWIGLU_OAI_ALPHA g), g = min(gate, SWIGLU_OAI_LIMIT),
+    u = clamp(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT). Where a clamp holds its input at a bound
+    the derivative through it is 0, as torch.clamp's (bounds included)."""
+    g = tl.minimum(gate, SWIGLU_OAI_LIMIT)
+    s = tl.sigmoid(SWIGLU_OAI_ALPHA * g)
+    glu = g * s
+    up1 = tl.minimum(tl.maximum(up, -SWIGLU_OAI_LIMIT), SWIGLU_OAI_LIMIT) + 1.0
+    # s (1 + alpha g (1 - s)) = s + alpha glu (1 - s)
+    dh_dgate = tl.where(gate <= SWIGLU_OAI_LIMIT, up1 * (s + SWIGLU_OAI_ALPHA * glu * (1.0 - s)), 0.0)
+    dh_dup = tl.where(tl.abs(up) <= SWIGLU_OAI_LIMIT, glu, 0.0)
+    return up1 * glu, dh_dgate, dh_dup
+
+
+@triton.jit
 def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
-    """SwiGLU: silu(gate) * up. GeGLU: gelu(gate) * up (tanh approximation)."""
+    """SwiGLU: silu(gate) * up. GeGLU: gelu(gate) * up (tanh approximation). swiglu_oai:
+    `_clamped_swiglu`."""
+    if ACTIVATION == "swiglu_oai":
+        return _clamped_swiglu(gate, up)[0]
     return gate * _activation_sigmoid(gate, ACTIVATION) * up
 
 
@@ -97,7 +124,10 @@ def _gated_activation_grads(gate, up, ACTIVATION: tl.constexpr):
     """(dh/dgate, dh/dup) of h = act(gate) * up: (up * act'(gate), act(gate)). With
     act = gate * s, s = sigmoid(z): act' = s (1 + gate (1 - s) z'), where z = gate and z' = 1
     for silu, z = GELU_SCALE (gate + GELU_CUBIC gate^3) and z' = GELU_SCALE (1 + 3 GELU_CUBIC
-    gate^2) for GELU."""
+    gate^2) for GELU. swiglu_oai: `_clamped_swiglu`'s."""
+    if ACTIVATION == "swiglu_oai":
+        _, dh_dgate, dh_dup = _clamped_swiglu(gate, up)
+        return dh_dgate, dh_dup
     s = _activation_sigmoid(gate, ACTIVATION)
     if ACTIVATION == "silu":
         slope = gate * (1.0 - s)
@@ -108,15 +138,18 @@ def _gated_activation_grads(gate, up, ACTIVATION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_blocks_m", "top_k", "store_h_grads"])
 def gate_up_kernel(
-    x_ptr, w1_ptr, h_ptr, h_grads_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    x_ptr, w1_ptr, b1_ptr, h_ptr, h_grads_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
     num_blocks_m, H, I, top_k, store_h_grads,
-    stride_xt, stride_we, stride_wn,
+    stride_xt, stride_we, stride_wn, stride_wk, up_row, column_rows, stride_be,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn, 1) (TMA: a
-    descriptor of its (E, I, 2, H) view, blocks (1, BLOCK_N, 2, BLOCK_K));
+    """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn,
+    stride_wk) (TMA: a descriptor of its (E, I, 2, H) view, blocks (1, BLOCK_N, 2, BLOCK_K));
+    column n's gate row is n * column_rows and its up row that plus up_row (gate rows then up
+    rows: 1 and I; interleaved, gate, up, gate, ...: 2 and 1). b1 (HAS_BIAS): (E, 2I) in w1's
+    row order, strides (stride_be, 1), added to the products before the activation.
     h: (num_blocks_m * BLOCK_M, I) contiguous, in x's dtype; h_grads (written when
     store_h_grads is 1): (num_blocks_m * BLOCK_M, 2I) contiguous, in x's dtype,
     [dh/dgate, dh/dup]."""
@@ -139,8 +172,9 @@ def gate_up_kernel(
     # the A tile), whose accumulator splits into gate and up in registers.
     offs_c = tl.arange(0, 2 * BLOCK_N)
     col_n = pid_n * BLOCK_N + offs_c // 2
+    w_rows = (offs_c % 2) * up_row + col_n * column_rows
     if not TMA:
-        w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, (offs_c % 2) * I + col_n, stride_wn, offs_k)
+        w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, w_rows, stride_wn, offs_k, stride_wk)
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
@@ -149,18 +183,24 @@ def gate_up_kernel(
             b = tl.trans(w1_ptr.load([expert, pid_n * BLOCK_N, 0, k0]).reshape(2 * BLOCK_N, BLOCK_K))
         else:
             b = tl.load(w_ptrs, mask=k_ok[:, None] & (col_n < I)[None, :], other=0.0)
-            w_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        bias = tl.load(b1_ptr + wide_offset(expert, stride_be) + w_rows, mask=col_n < I, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     if store_h_grads:
-        dh_dgate, dh_dup = _gated_activation_grads(acc_gate, acc_up, ACTIVATION)
+        if ACTIVATION == "swiglu_oai":
+            h, dh_dgate, dh_dup = _clamped_swiglu(acc_gate, acc_up)
+        else:
+            dh_dgate, dh_dup = _gated_activation_grads(acc_gate, acc_up, ACTIVATION)
+            h = dh_dup * acc_up  # act(gate) * up
         h_grads_offs = wide_offset(rows, 2 * I)
         tl.store(h_grads_ptr + h_grads_offs[:, None] + offs_n[None, :], dh_dgate.to(h_grads_ptr.dtype.element_ty),
                  mask=n_ok[None, :])
         tl.store(h_grads_ptr + I + h_grads_offs[:, None] + offs_n[None, :], dh_dup.to(h_grads_ptr.dtype.element_ty),
                  mask=n_ok[None, :])
-        h = dh_dup * acc_up  # act(gate) * up
     else:
         h = _gated_activation(acc_gate, acc_up, ACTIVATION)
     tl.store(h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
@@ -169,15 +209,17 @@ def gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_blocks_m"])
 def down_kernel(
-    h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    h_ptr, w2_ptr, b2_ptr, y_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
     num_blocks_m, H, I,
-    stride_we, stride_wn,
+    stride_we, stride_wn, stride_wk, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """h: (num_blocks_m * BLOCK_M, I) contiguous; w2: (E, H, I), strides (stride_we,
-    stride_wn, 1); weights: (T * top_k,) fp32 routing weights; y: (T * top_k, H) contiguous.
-    TMA: h and w2 are descriptors, blocks (BLOCK_M, BLOCK_K) and (1, BLOCK_N, BLOCK_K)."""
+    stride_wn, stride_wk); b2 (HAS_BIAS): (E, H), strides (stride_be, 1), added to each
+    product before the routing weight scales it; weights: (T * top_k,) fp32 routing weights;
+    y: (T * top_k, H) contiguous. TMA: h and w2 are descriptors, blocks (BLOCK_M, BLOCK_K) and
+    (1, BLOCK_N, BLOCK_K)."""
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
                                                BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
@@ -191,7 +233,7 @@ def down_kernel(
         first_row = _tile_coordinates(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)[0] * BLOCK_M
     else:
         h_ptrs = h_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
-        w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k)
+        w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k, stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if TMA:
@@ -202,8 +244,10 @@ def down_kernel(
             a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + wide_offset(expert, stride_be) + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
     y = acc * route_weight[:, None]
     tl.store(y_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
