@@ -137,6 +137,16 @@ def test_gpt_oss_options_are_for_inference_and_named_when_wrong(device):
         fused_experts(x, w1, w2, weights, ids, gate_up_interleaved=1)
     out = fused_experts(x, w1, w2, weights, ids, w1_bias=b1, w2_bias=b2)  # zero biases: the plain result
     torch.testing.assert_close(out, fused_experts(x, w1, w2, weights, ids), rtol=0, atol=0)
+    b1, b2 = torch.randn_like(b1), torch.randn_like(b2)
+
+    def layer(x, w1, w2, b1, b2):  # under torch.compile: one op, the eager bits
+        return fused_experts(x, w1, w2, weights, ids, activation="swiglu_oai", w1_bias=b1, w2_bias=b2,
+                             gate_up_interleaved=True)
+
+    with torch.no_grad():
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        views = (w1.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2))
+        assert torch.equal(compiled(x, *views, b1, b2), layer(x, *views, b1, b2))
 
 
 def test_idle_experts_and_one_expert_for_every_token(device, poisoned):  # noqa: F811
