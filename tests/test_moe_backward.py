@@ -113,6 +113,41 @@ def test_user_routing_gradients_with_dropped_and_repeated_ids(device, poisoned):
     torch.testing.assert_close(grads[3].double(), ref[3], rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_gpt_oss_experts_gradients(device, poisoned, interleaved):  # noqa: F811
+    """gpt-oss's form with gradients: weights stored transposed (E, H, 2I) and (E, I, H), passed
+    as views; gate/up rows interleaved or not; both biases; the clamped SwiGLU with
+    pre-activations past its clamps; a dropped slot. Every input's gradient, the biases' and the
+    routing weights' included, against autograd through the float64 reference."""
+    T, E, k, H, I = 37, 8, 2, 48, 32
+    gate_up_proj = torch.randn(E, H, 2 * I, device=device) * 4 / H**0.5
+    down_proj = torch.randn(E, I, H, device=device) / I**0.5
+    x = torch.randn(T, H, device=device)
+    b1, b2 = torch.randn(E, 2 * I, device=device), torch.randn(E, H, device=device)
+    weights, ids = moe_route(torch.randn(T, E, device=device), k)
+    ids = ids.long()
+    ids[::7, 1] = -1
+    grad_out = torch.randn(T, H, device=device)
+
+    def run(fn, tensors):
+        inputs = leaves(*tensors)
+        x, gate_up, down, w, b1, b2 = inputs
+        out = fn(x, gate_up.transpose(1, 2), down.transpose(1, 2), w, ids, activation="swiglu_oai", w1_bias=b1,
+                 w2_bias=b2, gate_up_interleaved=interleaved)
+        return torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+
+    tensors = (x, gate_up_proj, down_proj, weights, b1, b2)
+    grads = run(fused_experts, tensors)
+    ref = run(fused_experts_torch, [t.double() for t in tensors])
+    torch_grads = run(fused_experts_torch, tensors)
+    atol = 1e-6 if device.type == "cpu" else 5e-3
+    errors = check_grads(grads, ref, torch_grads, ("x", "gate_up_proj", "down_proj", "weights", "b1", "b2"),
+                         atol=atol)
+    assert torch.all(grads[3][ids < 0] == 0)
+    if device.type == "cpu":
+        assert max(errors.values()) < 1e-5, errors
+
+
 def test_idle_experts_and_one_expert_for_every_token(device, poisoned):  # noqa: F811
     """Every token routed to expert 2 (top-1): the other experts' weight gradients are exactly zero;
     and a logit bias that makes expert 5 everyone's first choice (heavy imbalance, top-2)."""

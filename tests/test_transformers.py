@@ -182,15 +182,10 @@ def test_experts_that_the_kernels_cannot_express_fall_back_with_one_warning(monk
     assert rel(logits, eager(ids).logits) < 1e-5
 
 
-def test_gpt_oss_experts_run_our_kernels_for_inference_and_fall_back_for_training(monkeypatch):
+def test_gpt_oss_experts_run_our_kernels_forward_and_backward():
     """gpt-oss's experts (weights stored transposed, gate and up interleaved, biases, the clamped
-    SwiGLU): logits of inference on our kernels equal eager's; training runs transformers'
-    grouped_mm experts with one warning, and its gradients are eager's. (Its attention, with
-    sinks, stays eager here.)"""
-    from flashmoe_science.integrations import transformers as integration
-
-    monkeypatch.setattr(integration, "_WARNED", set())
-
+    SwiGLU) on our kernels: inference logits, and training logits and every parameter's gradient
+    (the biases' included), equal eager's. (Its attention, with sinks, stays eager here.)"""
     def config():
         return transformers.GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=8, **_COMMON)
@@ -207,15 +202,18 @@ def test_gpt_oss_experts_run_our_kernels_for_inference_and_fall_back_for_trainin
         logits = ours(ids).logits
         assert last_launch("moe_gate_up").constexprs["ACTIVATION"] == "swiglu_oai"
         assert rel(logits, eager(ids).logits) < 1e-5
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = ours(ids, labels=ids)
-    assert sum("grouped_mm" in str(w.message) and "training" in str(w.message) for w in caught) == 1
+    clear_records()
+    out, ref = ours(ids, labels=ids), eager(ids, labels=ids)
+    assert last_launch("moe_gate_up") is not None and rel(out.logits, ref.logits) < 1e-5
     out.loss.backward()
-    eager(ids, labels=ids).loss.backward()
+    ref.loss.backward()
+    assert last_launch("moe_grad_w1") is not None
+    checked = set()
     for (name, p), (_, p_ref) in zip(ours.named_parameters(), eager.named_parameters()):
         if p_ref.grad is not None and p_ref.grad.norm() > 0:
             assert rel(p.grad, p_ref.grad) < 1e-4, name
+            checked.add(name.split(".")[-1])
+    assert {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"} <= checked
 
 
 def test_what_the_attention_cannot_honour_is_refused():

@@ -22,11 +22,10 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
 - Experts (`fms_experts_forward`): `fused_experts` on the module's own `gate_up_proj` (E, 2I, H:
   gate rows then up rows) and `down_proj` (E, H, I), forward and backward, with the model's
   router (its top-k ids and weights). gpt-oss's experts (weights stored transposed, gate and up
-  rows interleaved, biases, its clamped SwiGLU) run on the same kernels for inference. Experts
-  our kernels cannot express (no gate, another custom gate, a post-expert norm, an activation
-  other than SiLU or tanh-GELU, top_k above 8, expert parallelism; training with gpt-oss's
-  layout) run transformers' `grouped_mm` experts, with a warning naming the reason once per
-  module class and reason.
+  rows interleaved, biases, its clamped SwiGLU) run on the same kernels, forward and backward.
+  Experts our kernels cannot express (no gate, another custom gate, a post-expert norm, an
+  activation other than SiLU or tanh-GELU, top_k above 8, expert parallelism) run transformers'
+  `grouped_mm` experts, with a warning naming the reason once per module class and reason.
 
 Importing `flashmoe_science` never imports transformers; this module does (the `[hf]` extra).
 """
@@ -203,9 +202,8 @@ def _clamped_swiglu_gate(module) -> bool:
 
 def _experts_call(module, hidden_states, top_k: int):
     """(None, `fused_experts`' weights and options for this experts module), or (why our kernels
-    cannot run it, None). Transposed weights are read in place as views, interleaved gate/up rows
-    and biases are kernel options: all three for inference (gradients of biases and interleaved
-    rows are not implemented; a transposed weight's gradient would cost a copy a step)."""
+    cannot run it, None). Transposed weights are passed as views (read in place in inference),
+    interleaved gate/up rows and biases as `fused_experts`' options."""
     from transformers.integrations.moe import _default_apply_gate
 
     flags = {"has_gate": False, "has_post_expert_norm": True, "_is_expert_parallel": True}
@@ -233,9 +231,6 @@ def _experts_call(module, hidden_states, top_k: int):
     if top_k > 8:
         return f"top_k={top_k} (ours: up to 8)", None
     biases = (module.gate_up_proj_bias, module.down_proj_bias) if has_bias else (None, None)
-    if (transposed or interleaved or has_bias) and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden_states, w1, w2, *biases)):
-        return "training with transposed or interleaved weights or biases (ours: inference)", None
     return None, dict(w1=w1, w2=w2, activation=activation, w1_bias=biases[0], w2_bias=biases[1],
                       gate_up_interleaved=interleaved)
 

@@ -107,6 +107,16 @@ def expert_block_ranges(block_expert: torch.Tensor, num_experts: int) -> torch.T
     return torch.searchsorted(sorted_experts, boundaries, out_int32=True)
 
 
+def expert_row_sums(rows: torch.Tensor, block_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E, C) fp32: each expert's sum of `rows` (layout rows, C) over its blocks (padding rows hold
+    zeros; unused blocks belong to no expert), block sums then one product (deterministic)."""
+    if rows.numel() == 0:
+        return rows.new_zeros((num_experts, rows.shape[1]), dtype=torch.float32)
+    per_block = rows.view(block_expert.numel(), -1, rows.shape[1]).float().sum(1)
+    experts_of = torch.arange(num_experts, device=rows.device, dtype=block_expert.dtype)
+    return (block_expert[None, :] == experts_of[:, None]).float() @ per_block
+
+
 def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert,
                         block_rows, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
                         need_weight_grads: bool) -> None:

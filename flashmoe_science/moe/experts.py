@@ -323,8 +323,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         w1_bias: (E, 2I) in w1's row order, and w2_bias: (E, H), hidden_states' dtype, or None.
         gate_up_interleaved: w1's (and w1_bias') rows alternate gate, up, gate, ... instead of
             gate rows then up rows (gpt-oss's layout).
-        Biases and interleaved rows are for inference: a call that needs gradients with either
-        raises NotImplementedError.
+        With gradients, interleaved rows cost a copy of w1 in gate-then-up order each call, and
+        weights stored transposed a contiguous copy (the backward kernels read them so).
 
     E from 1 to 256, top_k from 1 to min(E, 8); H and I multiples of 16. The weights are read in
     place with unit stride along their last dimension, or, without gradients, along their middle
@@ -361,10 +361,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         _check_experts_args(hidden_states, w1, w2, activation)
         _check_biases(hidden_states, w1, w1_bias, w2_bias)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
-        if gpt_oss_form:
-            raise NotImplementedError("fused_experts: gradients with expert biases or interleaved gate/up rows are "
-                                      "not implemented (inference only: call it under torch.no_grad())")
-        return _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation)
+        return _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias, w2_bias,
+                           gate_up_interleaved)
     try:
         key = ("experts", tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
                tensor_key(topk_ids), activation, None if w1_bias is None else tensor_key(w1_bias),
@@ -474,13 +472,33 @@ def _fp8_moe(hidden_states, w1, w2, router_logits, top_k, renormalize, activatio
                                                 with_layout=True))
 
 
-def _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation):
-    """fused_experts through the differentiable custom op (arguments already checked): the
+def _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None, w2_bias=None,
+                interleaved=False):
+    """fused_experts through the differentiable custom ops (arguments already checked): the
     weights as fp32 and the ids as int32, contiguous, as the kernels read them (the conversion
-    of the weights is itself differentiable)."""
+    of the weights is itself differentiable). Interleaved gate/up rows become a copy of w1 (and
+    w1_bias) in gate-then-up order, whose gradient autograd takes back to the interleaved
+    parameter: the backward kernels read and write that order. w2_bias is added as the routed sum
+    of its rows (`_routed_bias`), through which autograd takes its gradient and its part of the
+    routing weights'."""
     weights = topk_weights.to(torch.float32).contiguous()
     ids = routing.ids_int32(topk_ids, w1.shape[0])
-    return _experts_with_backward(hidden_states, w1, w2, weights, ids, activation)
+    if interleaved:
+        w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], 1)
+        w1_bias = None if w1_bias is None else torch.cat([w1_bias[:, 0::2], w1_bias[:, 1::2]], 1)
+    out = _experts_with_backward(hidden_states, w1, w2, weights, ids, activation, w1_bias)
+    if w2_bias is None:
+        return out
+    return (out.float() + _routed_bias(weights, ids, w2_bias)).to(out.dtype)
+
+
+def _routed_bias(weights, ids, bias):
+    """(T, H) fp32: sum_j weights[t, j] * bias[ids[t, j]], ids outside [0, E) contributing nothing;
+    each token's weights gathered per expert in a fixed order (deterministic), then one product."""
+    E = bias.shape[0]
+    slots = torch.where((ids >= 0) & (ids < E), ids, E).long()
+    per_expert = (torch.nn.functional.one_hot(slots, E + 1).to(weights.dtype) * weights[..., None]).sum(1)
+    return per_expert[:, :E] @ bias.float()
 
 
 def saved_layout_size(hidden_states, w1, top_k: int) -> tuple[int, int]:
@@ -492,23 +510,24 @@ def saved_layout_size(hidden_states, w1, top_k: int) -> tuple[int, int]:
     return cfg.block_m, routing.layout_blocks(T * top_k, E, cfg.block_m)
 
 
-def _saving_plan(name, hidden_states, w1, w2, topk_weights, topk_ids, activation=None) -> _ExpertsPlan:
+def _saving_plan(name, hidden_states, w1, w2, topk_weights, topk_ids, activation=None, w1_bias=None) -> _ExpertsPlan:
     """The plan of a custom op's half of the saving forward, cached under its own key (the
-    activation checked where it applies: the gate/up half)."""
+    activation and w1_bias checked where they apply: the gate/up half)."""
     key = (name, tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
-           tensor_key(topk_ids), activation)
+           tensor_key(topk_ids), activation, None if w1_bias is None else tensor_key(w1_bias))
     plan = _EXPERTS_PLANS.get(key)
     if plan is None:
         plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation)
     return plan
 
 
-def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation):
+def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None):
     """The first half of `fused_experts`' forward, keeping what its backward needs: routing's
     layout and the gate/up GEMM.
 
     Args as for `fused_experts`, except topk_weights: (T, top_k) float32 and topk_ids:
-    (T, top_k) int32, both contiguous (w2 and topk_weights only size the plan).
+    (T, top_k) int32, both contiguous (w2 and topk_weights only size the plan); w1's rows gate
+    then up (w1_bias likewise).
 
     Returns:
         (h (rows, I), h_grads (rows, 2I), sorted_pairs (rows,) int32, block_expert (blocks,)
@@ -517,14 +536,16 @@ def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activati
         both in layout order and zero on padding rows; rows = blocks * BLOCK_M
         (`saved_layout_size`).
     """
-    plan = _saving_plan("experts_gate_up", hidden_states, w1, w2, topk_weights, topk_ids, activation)
+    plan = _saving_plan("experts_gate_up", hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias)
+    if w1_bias is not None:
+        _check_biases(hidden_states, w1, w1_bias, None)
     x, w1, _ = plan.operands(hidden_states, w1, w2)
     if plan.num_tokens == 0:
         return (x.new_empty((0, plan.inter)), x.new_empty((0, 2 * plan.inter)),
                 *(topk_ids.new_empty((0,)) for _ in range(3)))
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
     h_grads = routing.allocate((layout.num_blocks * layout.block_m, 2 * plan.inter), x.dtype, x.device)
-    h = _run_gate_up(plan, x, w1, layout, activation, h_grads)
+    h = _run_gate_up(plan, x, w1, layout, activation, h_grads, _contiguous_rows(w1_bias))
     return h, h_grads, layout.sorted_pairs, layout.block_expert, layout.block_rows
 
 
@@ -539,12 +560,12 @@ def down_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, h, sorted_p
     return _run_down(plan, h, w2, topk_weights, topk_ids, layout)
 
 
-def _experts_with_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation):
+def _experts_with_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None):
     """`fused_experts` through its two saving custom ops (ops.py): gate/up, then down. Two
     autograd nodes, so the backward frees what the down half kept (h and the activation's
     derivatives) before the gate/up half's weight gradient is allocated."""
     ops = torch.ops.flashmoe_science
-    saved = ops.moe_experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation)
+    saved = ops.moe_experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias)
     return ops.moe_experts_down(hidden_states, w1, w2, topk_weights, topk_ids, *saved)
 
 

@@ -58,14 +58,15 @@ route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
 
 @torch.library.custom_op("flashmoe_science::moe_experts_gate_up", mutates_args=())
 def experts_gate_up_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                       activation: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       activation: str, w1_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                                   Tensor]:
     """(h, h_grads, sorted_pairs, block_expert, block_rows) of `experts.gate_up_for_backward`;
     topk_weights float32 and topk_ids int32, contiguous."""
-    return experts.gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation)
+    return experts.gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias)
 
 
 @experts_gate_up_op.register_fake
-def _experts_gate_up_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation):
+def _experts_gate_up_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None):
     T = hidden_states.shape[0]
     inter = w1.shape[1] // 2
     if isinstance(T, torch.SymInt):
@@ -155,17 +156,23 @@ def _experts_gate_up_backward_fake(grad_gate_up, hidden_states, w1, w2, topk_ids
 # backward has run, autograd frees h and h_grads, before d w1 is allocated.
 
 def _gate_up_setup_context(ctx, inputs, output):
-    hidden_states, w1, w2, topk_weights, topk_ids, _ = inputs
+    hidden_states, w1, w2, topk_weights, topk_ids = inputs[:5]
     ctx.save_for_backward(hidden_states, w1, w2, topk_ids, *output[2:])
     ctx.set_materialize_grads(False)
 
 
 def _gate_up_backward(ctx, grad_h, grad_gate_up, *layout_grads):
+    # one gradient per input the op was called with (w1_bias, when left at its default, is not one)
+    grads = [None] * len(ctx.needs_input_grad)
     if grad_gate_up is None:
-        return None, None, None, None, None, None
+        return tuple(grads)
     need_x, need_w1 = ctx.needs_input_grad[:2]
     grad_x, grad_w1 = experts_gate_up_backward_op(grad_gate_up, *ctx.saved_tensors, need_x, need_w1)
-    return grad_x if need_x else None, grad_w1 if need_w1 else None, None, None, None, None
+    grads[0], grads[1] = (grad_x if need_x else None), (grad_w1 if need_w1 else None)
+    if len(grads) > 6 and ctx.needs_input_grad[6]:  # d w1_bias[e]: the sum of d [gate, up] over e's rows
+        _, w1, _, _, _, block_expert, _ = ctx.saved_tensors
+        grads[6] = backward.expert_row_sums(grad_gate_up, block_expert, w1.shape[0]).to(w1.dtype)
+    return tuple(grads)
 
 
 experts_gate_up_op.register_autograd(_gate_up_backward, setup_context=_gate_up_setup_context)
