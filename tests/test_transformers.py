@@ -182,20 +182,29 @@ def test_experts_that_the_kernels_cannot_express_fall_back_with_one_warning(monk
     assert rel(logits, eager(ids).logits) < 1e-5
 
 
-def test_gpt_oss_experts_run_our_kernels_forward_and_backward():
-    """gpt-oss's experts (weights stored transposed, gate and up interleaved, biases, the clamped
-    SwiGLU) on our kernels: inference logits, and training logits and every parameter's gradient
-    (the biases' included), equal eager's. (Its attention, with sinks, stays eager here.)"""
+def gpt_oss_models():
+    """(eager, ours) gpt-oss models with the same weights; sliding-window and full layers, sinks
+    drawn away from zero (a zero-initialised sink would leave them untested)."""
     def config():
         return transformers.GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=8, **_COMMON)
 
     torch.manual_seed(0)
     eager = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="eager",
-                                                          experts_implementation="eager").float().to(DEVICE)
-    ours = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="eager",
-                                                         experts_implementation="fms").float().to(DEVICE)
+                                                          experts_implementation="eager").float()
+    for layer in eager.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    ours = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="fms",
+                                                         experts_implementation="fms").float()
     ours.load_state_dict(eager.state_dict())
+    return eager.to(DEVICE), ours.to(DEVICE)
+
+
+def test_gpt_oss_runs_our_kernels_forward_and_backward():
+    """gpt-oss on our kernels: the experts (weights stored transposed, gate and up interleaved,
+    biases, the clamped SwiGLU) and the attention with its sinks: inference logits, training logits
+    and every parameter's gradient (the biases' and the sinks' included) equal eager's."""
+    eager, ours = gpt_oss_models()
     ids = torch.randint(0, 96, (2, 12), device=DEVICE)
     with torch.no_grad():
         clear_records()
@@ -213,7 +222,23 @@ def test_gpt_oss_experts_run_our_kernels_forward_and_backward():
         if p_ref.grad is not None and p_ref.grad.norm() > 0:
             assert rel(p.grad, p_ref.grad) < 1e-4, name
             checked.add(name.split(".")[-1])
-    assert {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"} <= checked
+    assert {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias", "sinks"} <= checked
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_gpt_oss_generation_of_a_left_padded_batch_gives_eager_logits(cache):
+    """Sinks through every attention path: the prompt as packed sequences, the decode steps
+    through the KV-cache kernels, on a left-padded batch."""
+    eager, ours = gpt_oss_models()
+    prompt = torch.randint(0, 96, (2, 6), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    options = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation=cache,
+                   return_dict_in_generate=True, output_logits=True)
+    out, ref = ours.generate(prompt, **options), eager.generate(prompt, **options)
+    assert torch.equal(out.sequences, ref.sequences)
+    for step, (logits, ref_logits) in enumerate(zip(out.logits, ref.logits)):
+        assert rel(logits, ref_logits) < 1e-5, step
 
 
 def test_what_the_attention_cannot_honour_is_refused():

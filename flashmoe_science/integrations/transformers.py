@@ -13,7 +13,8 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
   query against the cached keys) through the split-KV kernels that `flash_attention_science`
   picks for short queries, and for a left-padded batch or a static cache
   `flash_attention_with_kvcache` on the keys in place, each sequence from its first unpadded
-  slot. Dropout in training, attention sinks and dense masks raise a clear error.
+  slot. Attention sinks (gpt-oss's, one logit per head) scale each row by sigmoid(lse - sink).
+  Dropout in training and dense masks raise a clear error.
 - Mask (`fms_attention_mask`): `flash_attention_mask`'s, except with a static cache: there the
   padding mask covers the tokens so far, one longer each step, and a mask whose shape changed
   every step would make torch.compile record a new CUDA graph for each. It becomes a (B, 2,
@@ -115,13 +116,17 @@ def fms_attention_forward(module, query, key, value, attention_mask, scaling=Non
     D_v), None)."""
     if dropout and module.training:
         raise _unsupported(f"attention dropout in training (dropout={dropout})")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise _unsupported("attention sinks")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise _unsupported(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: ({query.shape[1]},))")
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
-    options = dict(softmax_scale=scaling, window_size=window, softcap=float(softcap or 0.0))
+    options = dict(softmax_scale=scaling, window_size=window, softcap=float(softcap or 0.0), return_lse=sinks is not None)
     if attention_mask is None:
         out = flash_attention_science(query, key, value, causal, **options)
+        if sinks is not None:
+            out, lse = out
+            return _with_sinks(out.transpose(1, 2), lse.transpose(1, 2), sinks), None
         return out.transpose(1, 2), None
     if attention_mask.dim() not in (2, 3) or attention_mask.dtype != torch.bool:
         raise _unsupported(f"a {attention_mask.dim()}-D {attention_mask.dtype} attention mask (only the padding "
@@ -129,7 +134,19 @@ def fms_attention_forward(module, query, key, value, attention_mask, scaling=Non
     out = _left_padded_short_queries(query, key, value, attention_mask, causal, options)
     if out is None:
         out = _padded_attention(query, key, value, attention_mask, causal, options)
+    if sinks is not None:
+        out, lse = out
+        return _with_sinks(out, lse, sinks), None
     return out, None
+
+
+def _with_sinks(out, lse, sinks):
+    """Attention with a learned sink logit per head (gpt-oss's): a softmax over the keys and the
+    sink, which takes its share and adds nothing, is the keys' attention times
+    exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink). out (B, Sq, Hq, D), lse (B, Sq, Hq);
+    differentiable in out, lse (our kernels' lse is) and the sinks."""
+    scale = torch.sigmoid(lse - sinks.float())
+    return (out.float() * scale[..., None]).to(out.dtype)
 
 
 def _left_padded_short_queries(query, key, value, mask, causal, options):
@@ -159,8 +176,9 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
         leftpad = torch.where(left_padding, leftpad, -1)
     elif not bool(left_padding.all()):
         return None
-    return flash_attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                        cache_seqlens=filled, cache_leftpad=leftpad, causal=True, **options)
+    out = flash_attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                       cache_seqlens=filled, cache_leftpad=leftpad, causal=True, **options)
+    return (out[0], out[1].transpose(1, 2)) if options.get("return_lse") else out
 
 
 def _padded_attention(query, key, value, mask, causal, options):
@@ -182,9 +200,13 @@ def _padded_attention(query, key, value, mask, causal, options):
     k = key.transpose(1, 2).reshape(batch * seqlen_k, key.shape[1], dim)[k_index]
     v = value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], dim_v)[k_index]
     out = flash_attention_varlen(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal, **options)
+    out, lse = out if options.get("return_lse") else (out, None)
     full = out.new_zeros(batch * seqlen_q, heads_q, dim_v)
-    full = full.index_copy(0, q_index, out)
-    return full.view(batch, seqlen_q, heads_q, dim_v)
+    full = full.index_copy(0, q_index, out).view(batch, seqlen_q, heads_q, dim_v)
+    if lse is None:
+        return full
+    full_lse = lse.new_full((batch * seqlen_q, heads_q), float("-inf")).index_copy(0, q_index, lse.transpose(0, 1))
+    return full, full_lse.view(batch, seqlen_q, heads_q)
 
 
 def _clamped_swiglu_gate(module) -> bool:
