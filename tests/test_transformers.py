@@ -282,6 +282,26 @@ def test_bench_model_runs_tiny_configurations_through_the_interpreter():
                for r in result["rows"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback of the benchmark")
+def test_bench_model_measures_a_model_without_sdpa_against_eager_attention():
+    """gpt-oss has no sdpa attention: its sdpa + grouped_mm row records the error, eager +
+    grouped_mm is measured in its place, and the report takes ratios against it."""
+    import argparse
+
+    from flashmoe_science.bench import model, report
+
+    parser = argparse.ArgumentParser()
+    model.add_arguments(parser)
+    args = parser.parse_args(["--models", "gpt-oss-20b", "--impls", "ours", "sdpa_grouped_mm"])
+    args.progress, args.checkpoint = (lambda items, desc="": items), (lambda rows: None)
+    result = model.run(args)
+    assert [r["impl"] for r in result["rows"]] == ["ours", "sdpa_grouped_mm", "eager_grouped_mm"]
+    assert "error" in result["rows"][1] and "error" not in result["rows"][2]
+    assert model.baseline(result["rows"], "gpt-oss-20b") == ("eager + grouped_mm", result["rows"][2])
+    table = report.render_model("model", {**result, "meta": {**result["meta"], "date": "", "command": ""}})
+    assert "| gpt-oss-20b (2, 1 x 16) | fms + fms |" in table and "x) |" in table
+
+
 def _fp8_experts_module(block_size):
     """transformers' FP8 experts module (FineGrainedFP8 checkpoints) of a tiny Qwen3-MoE config,
     dispatched to "fms", with weights quantised from random ones."""

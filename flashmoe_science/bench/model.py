@@ -2,10 +2,12 @@
 against transformers' own implementations, side by side in one run.
 
 Models: random weights in bf16 with the real widths of Qwen3-30B-A3B (layers cut to
---layers), Mixtral-8x7B (fewer layers still: 14336-wide experts) and OLMoE-1B-7B (8 of its 16
-layers: the whole model's training step with AdamW ran out of an 80 GB H100's memory).
-Implementations (attn_implementation / experts_implementation): "fms" / "fms" (ours, through
-`flashmoe_science.integrations.transformers`), "sdpa" / "grouped_mm" and "eager" / "eager".
+--layers), Mixtral-8x7B (fewer layers still: 14336-wide experts), OLMoE-1B-7B (8 of its 16
+layers: the whole model's training step with AdamW ran out of an 80 GB H100's memory) and
+gpt-oss-20b (4 of its 24 layers). Implementations (attn_implementation / experts_implementation):
+"fms" / "fms" (ours, through `flashmoe_science.integrations.transformers`), "sdpa" / "grouped_mm",
+"eager" / "eager", and "eager" / "grouped_mm" (measured in place of "sdpa" / "grouped_mm" for a
+model without sdpa attention: `BASELINES`).
 Measured per model and implementation:
 - train: one step (forward, loss, backward, AdamW) at batch x --seqlen tokens, in tokens/s;
 - prefill: the forward of the same batch without gradients, in ms;
@@ -42,10 +44,19 @@ MODELS = {
     "olmoe-1b-7b": ("OlmoeConfig", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
                                         num_attention_heads=16, num_key_value_heads=16, num_experts=64,
                                         num_experts_per_tok=8), 8, 1),
+    "gpt-oss-20b": ("GptOssConfig", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                                         num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64,
+                                         num_key_value_heads=8, head_dim=64, sliding_window=128), 4, 1),
 }
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=32, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2)
-IMPLEMENTATIONS = {"ours": ("fms", "fms"), "sdpa_grouped_mm": ("sdpa", "grouped_mm"), "eager": ("eager", "eager")}
+IMPLEMENTATIONS = {"ours": ("fms", "fms"), "sdpa_grouped_mm": ("sdpa", "grouped_mm"), "eager": ("eager", "eager"),
+                   "eager_grouped_mm": ("eager", "grouped_mm")}
+# What ours is measured against: transformers' fast path, sdpa attention with grouped_mm experts,
+# or where a model has no sdpa attention (gpt-oss: attention sinks) eager attention with
+# grouped_mm experts, which `run` then measures in sdpa_grouped_mm's place.
+BASELINES = ("sdpa_grouped_mm", "eager_grouped_mm")
+BASELINE_NAMES = {"sdpa_grouped_mm": "sdpa + grouped_mm", "eager_grouped_mm": "eager + grouped_mm"}
 PROMPT = 32
 DECODE_REPEATS = 5  # interleaved generate runs per implementation and batch
 
@@ -203,6 +214,12 @@ def _decoders(config, rows, state, device, dtype) -> dict:
     return models
 
 
+def baseline(rows, model: str):
+    """(name, row) of what `model`'s ours is measured against (BASELINES): the first that ran."""
+    ran = {r["impl"]: r for r in rows if r["model"] == model and "error" not in r}
+    return next(((BASELINE_NAMES[b], ran[b]) for b in BASELINES if b in ran), (None, None))
+
+
 def _release_memory(gpu: bool) -> None:
     """Frees what a finished model held before the next is built (the cycle collector for whatever
     reference cycles kept it), then gives the allocator's cache back to the device."""
@@ -228,12 +245,21 @@ def run(args) -> dict:
         config, batch = _config(name, args.layers, device)
         torch.manual_seed(0)
         state = None
-        for impl in args.impls:
+        impls = list(args.impls)
+        for impl in impls:
             attn, experts = IMPLEMENTATIONS[impl]
-            with device:  # initialised where it runs: billions of parameters drawn on the CPU took minutes
-                # its own config: from_config writes the implementations into the one it is given
-                model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn,
-                                                                      experts_implementation=experts, dtype=dtype)
+            try:
+                with device:  # initialised where it runs: billions of parameters drawn on the CPU took minutes
+                    # its own config: from_config writes the implementations into the one it is given
+                    model = transformers.AutoModelForCausalLM.from_config(
+                        copy.deepcopy(config), attn_implementation=attn, experts_implementation=experts, dtype=dtype)
+            except ValueError as exc:  # an implementation this model does not offer (gpt-oss: sdpa)
+                rows.append(dict(model=name, impl=impl, attn_implementation=attn, experts_implementation=experts,
+                                 layers=config.num_hidden_layers, batch=batch, seqlen=seqlen, new_tokens=new_tokens,
+                                 error=f"{type(exc).__name__}: {exc}"[:300]))
+                if impl == "sdpa_grouped_mm" and "eager_grouped_mm" not in impls:
+                    impls.append("eager_grouped_mm")  # the baseline where sdpa is missing (BASELINES)
+                continue
             if state is None:
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             else:

@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+from . import model as model_bench
+
 _MARKER = re.compile(r"(<!-- results:(?P<name>[\w+-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
 _IMPL_NAMES = {"sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient",
                "flex": "Flex (compiled)", "ours": "ours", "sdpa_default": "SDPA default", "sdpa_math": "SDPA math",
@@ -366,21 +368,20 @@ def _model_ratio(ours, theirs, key, higher_is_better=True):
 
 def render_model(name: str, result: dict) -> str:
     """transformers models end to end: per model, each implementation's training step, prefill and
-    decode (ours with its ratio to transformers' sdpa + grouped_mm), then where each training
+    decode (each with its ratio to the model's baseline, `bench.model.BASELINES`), then where each training
     step's GPU time goes by kernel kind (bench model --profile)."""
     rows = result["rows"]
     meta = result["meta"]
     out = [_source_line(name, meta).rstrip("\n") + f" _transformers {meta.get('transformers')}._", "",
            "| model (layers, batch x tokens) | implementation | training step, tokens/s | prefill, ms | "
            "decode batch 1, tokens/s | decode batch 32, tokens/s |", "|---|---|---|---|---|---|"]
-    base = {r["model"]: r for r in rows if r["impl"] == "sdpa_grouped_mm" and "error" not in r}
     for r in rows:
         shape = f"{r['model']} ({r['layers']}, {r['batch']} x {r['seqlen']})"
         impl = f"{r['attn_implementation']} + {r['experts_implementation']}"
         if "error" in r:
             out.append(f"| {shape} | {impl} | {r['error'].split(':')[0]} | | | |")
             continue
-        theirs = base.get(r["model"]) if r["impl"] != "sdpa_grouped_mm" else None
+        theirs = _other_than(r, model_bench.baseline(rows, r["model"])[1])
         cells = [f"{_fmt(r.get(key), digits)}{_model_ratio(r, theirs, key, higher) if theirs else ''}"
                  for key, digits, higher in (("train_tokens_per_s", 0, True), ("prefill_ms", 1, False),
                                              ("decode_b1_tokens_per_s", 0, True),
@@ -400,40 +401,45 @@ def render_model(name: str, result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _ours_and_sdpa(result: dict):
-    """(model, our row, the sdpa + grouped_mm row) of each model a `bench model` results file has both of."""
-    rows = {(r["model"], r["impl"]): r for r in result["rows"] if "error" not in r}
-    for (model, impl), ours in rows.items():
-        theirs = rows.get((model, "sdpa_grouped_mm"))
-        if impl == "ours" and theirs is not None:
-            yield model, ours, theirs
+def _other_than(row: dict, baseline: dict | None) -> dict | None:
+    """The row a model-table row's ratio is taken against: its model's baseline, unless it is it."""
+    return None if baseline is row else baseline
 
 
-def _decode_headline(label: str, model: str, ours: dict, theirs: dict, name: str) -> list:
+def _ours_and_baseline(result: dict):
+    """(model, our row, the baseline's name, its row) of each model a `bench model` results file
+    has both of (`bench.model.BASELINES`: sdpa + grouped_mm, or eager + grouped_mm)."""
+    for ours in result["rows"]:
+        if ours["impl"] == "ours" and "error" not in ours:
+            base_name, theirs = model_bench.baseline(result["rows"], ours["model"])
+            if theirs is not None:
+                yield ours["model"], ours, base_name, theirs
+
+
+def _decode_headline(label: str, model: str, ours: dict, base_name: str, theirs: dict, name: str) -> list:
     """The headline row of `generate` tokens/s at the batches both sides measured (none: no row)."""
     keys = [k for k in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s") if k in ours and k in theirs]
     if not keys:
         return []
     batches = " / ".join(k.split("_")[1][1:] for k in keys)
     return [f"| {label} | {model}, batch {batches} | " + " / ".join(f"{ours[k]:.0f}" for k in keys) + " tokens/s | "
-            + " / ".join(f"{theirs[k]:.0f}" for k in keys) + " (sdpa + grouped_mm) | "
+            + " / ".join(f"{theirs[k]:.0f}" for k in keys) + f" ({base_name}) | "
             + " / ".join(f"{ours[k] / theirs[k]:.2f}x" for k in keys) + f" | `{name}.json` |"]
 
 
 def render_model_static_decode(name: str, result: dict) -> str:
     """`generate` with a static cache, compiled into CUDA graphs by transformers: per model, each
-    implementation's tokens/s at batch 1 and 32 (ours with its ratio to sdpa + grouped_mm)."""
+    implementation's tokens/s at batch 1 and 32 (each with its ratio to the model's baseline)."""
     rows = result["rows"]
     out = [_source_line(name, result["meta"]).rstrip("\n") + f" _transformers {result['meta'].get('transformers')}._",
            "", "| model (layers) | implementation | decode batch 1, tokens/s | decode batch 32, tokens/s |",
            "|---|---|---|---|"]
-    base = {r["model"]: r for r in rows if r["impl"] == "sdpa_grouped_mm" and "error" not in r}
     for r in rows:
         shape, impl = f"{r['model']} ({r['layers']})", f"{r['attn_implementation']} + {r['experts_implementation']}"
         if "error" in r:
             out.append(f"| {shape} | {impl} | {r['error'].split(':')[0]} | |")
             continue
-        theirs = base.get(r["model"]) if r["impl"] != "sdpa_grouped_mm" else None
+        theirs = _other_than(r, model_bench.baseline(rows, r["model"])[1])
         out.append(f"| {shape} | {impl} | " + " | ".join(
             f"{_fmt(r.get(key), 0)}{_model_ratio(r, theirs, key) if theirs else ''}"
             for key in ("decode_b1_tokens_per_s", "decode_b32_tokens_per_s")) + " |")
@@ -587,20 +593,20 @@ def render_headline(results_dir) -> str:
     result = _load(results_dir, "model")
     if result is not None:
         gpus.append(result["meta"].get("gpu") or "CPU")
-        for model, ours, theirs in _ours_and_sdpa(result):
+        for model, ours, base_name, theirs in _ours_and_baseline(result):
             shape = f"{model}, {ours['layers']} layers, {ours['batch']} x {ours['seqlen']} tokens"
             out.append(f"| transformers training step | {shape} | {ours['train_tokens_per_s']:.0f} tokens/s | "
-                       f"{theirs['train_tokens_per_s']:.0f} (sdpa + grouped_mm) | "
+                       f"{theirs['train_tokens_per_s']:.0f} ({base_name}) | "
                        f"{ours['train_tokens_per_s'] / theirs['train_tokens_per_s']:.2f}x | `model.json` |")
             out.append(f"| transformers prefill | {shape} | {ours['prefill_ms']:.1f} ms | "
-                       f"{theirs['prefill_ms']:.1f} ms (sdpa + grouped_mm) | "
+                       f"{theirs['prefill_ms']:.1f} ms ({base_name}) | "
                        f"{theirs['prefill_ms'] / ours['prefill_ms']:.2f}x | `model.json` |")
-            out += _decode_headline("transformers decode (`generate`)", model, ours, theirs, "model")
+            out += _decode_headline("transformers decode (`generate`)", model, ours, base_name, theirs, "model")
     result = _load(results_dir, "model_static_decode")
     if result is not None:
         gpus.append(result["meta"].get("gpu") or "CPU")
-        for model, ours, theirs in _ours_and_sdpa(result):
-            out += _decode_headline("transformers decode, static cache + CUDA graphs", model, ours, theirs,
+        for model, ours, base_name, theirs in _ours_and_baseline(result):
+            out += _decode_headline("transformers decode, static cache + CUDA graphs", model, ours, base_name, theirs,
                                     "model_static_decode")
     result = _load(results_dir, "ep_4gpu")
     if result is not None:
