@@ -517,6 +517,9 @@ def _saving_plan(name, hidden_states, w1, w2, topk_weights, topk_ids, activation
            tensor_key(topk_ids), activation, None if w1_bias is None else tensor_key(w1_bias))
     plan = _EXPERTS_PLANS.get(key)
     if plan is None:
+        if w1_bias is not None:  # checked before a plan is cached under the key it is part of
+            _check_experts_args(hidden_states, w1, w2, activation)
+            _check_biases(hidden_states, w1, w1_bias, None)
         plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation)
     return plan
 
@@ -537,8 +540,6 @@ def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activati
         (`saved_layout_size`).
     """
     plan = _saving_plan("experts_gate_up", hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias)
-    if w1_bias is not None:
-        _check_biases(hidden_states, w1, w1_bias, None)
     x, w1, _ = plan.operands(hidden_states, w1, w2)
     if plan.num_tokens == 0:
         return (x.new_empty((0, plan.inter)), x.new_empty((0, 2 * plan.inter)),
