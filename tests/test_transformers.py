@@ -225,6 +225,26 @@ def test_gpt_oss_runs_our_kernels_forward_and_backward():
     assert {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias", "sinks"} <= checked
 
 
+def test_gpt_oss_gate_at_other_constants_falls_back_naming_them(monkeypatch):
+    """gpt-oss's gate with another alpha and limit than our kernels' runs transformers' grouped_mm
+    experts, with one warning naming them, and eager's results."""
+    from flashmoe_science.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "_WARNED", set())
+    eager, ours = gpt_oss_models()
+    for model in (eager, ours):
+        for layer in model.model.layers:
+            layer.mlp.experts.limit, layer.mlp.experts.alpha = 5.0, 1.5
+    ids = torch.randint(0, 96, (2, 12), device=DEVICE)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        clear_records()
+        logits = ours(ids).logits
+    assert last_launch("moe_gate_up") is None
+    assert sum("alpha=1.5, limit=5.0" in str(w.message) for w in caught) == 1
+    assert rel(logits, eager(ids).logits) < 1e-5
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_gpt_oss_generation_of_a_left_padded_batch_gives_eager_logits(cache):
     """Sinks through every attention path: the prompt as packed sequences, the decode steps

@@ -209,17 +209,21 @@ def _padded_attention(query, key, value, mask, causal, options):
     return full, full_lse.view(batch, seqlen_q, heads_q)
 
 
-def _clamped_swiglu_gate(module) -> bool:
-    """Whether the module gates with gpt-oss's clamped SwiGLU at the constants of our
-    "swiglu_oai" (its `_apply_gate`, alpha 1.702, limit 7)."""
+def _gpt_oss_gate(module) -> str | None:
+    """Whether the module gates as gpt-oss does (its `_apply_gate`): None if not, "swiglu_oai"
+    at our constants (alpha 1.702, limit 7), else why not."""
     try:
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     except ImportError:
-        return False
+        return None
+    if getattr(type(module), "_apply_gate", None) is not GptOssExperts._apply_gate:
+        return None
     from ..moe.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 
-    return (getattr(type(module), "_apply_gate", None) is GptOssExperts._apply_gate
-            and getattr(module, "alpha", None) == SWIGLU_OAI_ALPHA and getattr(module, "limit", None) == SWIGLU_OAI_LIMIT)
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if (alpha, limit) != (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT):
+        return f"gpt-oss's gate with alpha={alpha}, limit={limit} (ours: {SWIGLU_OAI_ALPHA}, {SWIGLU_OAI_LIMIT})"
+    return "swiglu_oai"
 
 
 def _experts_call(module, hidden_states, top_k: int):
@@ -235,9 +239,9 @@ def _experts_call(module, hidden_states, top_k: int):
     transposed, interleaved = getattr(module, "is_transposed", False), not getattr(module, "is_concatenated", True)
     has_bias = getattr(module, "has_bias", False)
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        if not _clamped_swiglu_gate(module):
-            return "a custom _apply_gate", None
-        activation = "swiglu_oai"
+        activation = _gpt_oss_gate(module)
+        if activation != "swiglu_oai":
+            return activation or "a custom _apply_gate", None
     else:
         activation = _ACTIVATIONS.get(getattr(module.config, "hidden_act", None))
         if activation is None:
