@@ -218,7 +218,7 @@ def _gpt_oss_gate(module) -> str | None:
         return None
     if getattr(type(module), "_apply_gate", None) is not GptOssExperts._apply_gate:
         return None
-    from ..moe.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+    from ..moe.configs import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 
     alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
     if (alpha, limit) != (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT):

@@ -257,8 +257,10 @@ COMBINE_WARPS = 4
 COMBINE_STAGES = 1
 
 # The gated activations of the expert kernels: SwiGLU, GeGLU (tanh approximation) and gpt-oss's
-# clamped SwiGLU (`_kernels/grouped_gemm._clamped_swiglu`).
+# clamped SwiGLU (`_kernels/grouped_gemm._clamped_swiglu`), with the constants transformers'
+# GptOssExperts and vLLM's swigluoai use.
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 _TRITON_DTYPES = {2: ("fp16", "bf16"), 4: ("fp32",)}
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .configs import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
 
 def moe_route_torch(router_logits, top_k, *, renormalize=True, scoring="softmax"):
     """(topk_weights (T, k), topk_ids (T, k) int64): softmax or sigmoid of the logits in at least
@@ -19,9 +21,6 @@ def moe_route_torch(router_logits, top_k, *, renormalize=True, scoring="softmax"
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
-
-
-SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 
 
 def gated_activation_torch(gate, up, activation="silu"):

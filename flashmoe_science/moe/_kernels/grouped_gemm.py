@@ -39,6 +39,7 @@ rows in L2. With fp32 inputs tl.dot runs DOT_PRECISION (`device.fp32_dot_precisi
 import triton
 import triton.language as tl
 
+from .. import configs
 from .offsets import wide_offset
 
 
@@ -46,10 +47,9 @@ from .offsets import wide_offset
 # GELU_SCALE = 2 * sqrt(2 / pi) (the backward kernels differentiate the same expression).
 GELU_SCALE = tl.constexpr(1.5957691216057308)
 GELU_CUBIC = tl.constexpr(0.044715)
-# gpt-oss's clamped SwiGLU ("swiglu_oai", `_clamped_swiglu`): transformers' GptOssExperts and
-# vLLM's swigluoai use these constants.
-SWIGLU_OAI_ALPHA = tl.constexpr(1.702)
-SWIGLU_OAI_LIMIT = tl.constexpr(7.0)
+# gpt-oss's clamped SwiGLU ("swiglu_oai", `_clamped_swiglu`): configs.py's constants.
+SWIGLU_OAI_ALPHA = tl.constexpr(configs.SWIGLU_OAI_ALPHA)
+SWIGLU_OAI_LIMIT = tl.constexpr(configs.SWIGLU_OAI_LIMIT)
 
 
 @triton.jit
