@@ -113,15 +113,17 @@ def test_user_routing_gradients_with_dropped_and_repeated_ids(device, poisoned):
     torch.testing.assert_close(grads[3].double(), ref[3], rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("interleaved", [True, False])
-def test_gpt_oss_experts_gradients(device, poisoned, interleaved):  # noqa: F811
+def gpt_oss_gradient_check(device, T, E, k, H, I, dtype, transposed=True, interleaved=True, atol=1e-6):
     """gpt-oss's form with gradients: weights stored transposed (E, H, 2I) and (E, I, H), passed
-    as views; gate/up rows interleaved or not; both biases; the clamped SwiGLU with
-    pre-activations past its clamps; a dropped slot. Every input's gradient, the biases' and the
-    routing weights' included, against autograd through the float64 reference."""
-    T, E, k, H, I = 37, 8, 2, 48, 32
+    as views (or stored as ours); gate/up rows interleaved or not; both biases; the clamped
+    SwiGLU with pre-activations past its clamps; a dropped slot. Every input's gradient, the
+    biases' and the routing weights' included, against autograd through the float64 reference;
+    the weights' gradients come back in their parameters' layout (contiguous: no copy). Returns
+    the relative errors."""
     gate_up_proj = torch.randn(E, H, 2 * I, device=device) * 4 / H**0.5
     down_proj = torch.randn(E, I, H, device=device) / I**0.5
+    if not transposed:  # stored as ours, (E, 2I, H) and (E, H, I), and passed as transposed views here
+        gate_up_proj, down_proj = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (gate_up_proj, down_proj))
     x = torch.randn(T, H, device=device)
     b1, b2 = torch.randn(E, 2 * I, device=device), torch.randn(E, H, device=device)
     weights, ids = moe_route(torch.randn(T, E, device=device), k)
@@ -136,14 +138,21 @@ def test_gpt_oss_experts_gradients(device, poisoned, interleaved):  # noqa: F811
                  w2_bias=b2, gate_up_interleaved=interleaved)
         return torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
 
-    tensors = (x, gate_up_proj, down_proj, weights, b1, b2)
+    tensors = (x.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype), weights, b1.to(dtype), b2.to(dtype))
     grads = run(fused_experts, tensors)
     ref = run(fused_experts_torch, [t.double() for t in tensors])
     torch_grads = run(fused_experts_torch, tensors)
-    atol = 1e-6 if device.type == "cpu" else 5e-3
     errors = check_grads(grads, ref, torch_grads, ("x", "gate_up_proj", "down_proj", "weights", "b1", "b2"),
                          atol=atol)
     assert torch.all(grads[3][ids < 0] == 0)
+    assert grads[1].stride() == gate_up_proj.stride() and grads[2].stride() == down_proj.stride()
+    return errors
+
+
+@pytest.mark.parametrize("transposed,interleaved", [(True, True), (True, False), (False, True)])
+def test_gpt_oss_experts_gradients(device, poisoned, transposed, interleaved):  # noqa: F811
+    errors = gpt_oss_gradient_check(device, 37, 8, 2, 48, 32, torch.float32, transposed, interleaved,
+                                    atol=1e-6 if device.type == "cpu" else 5e-3)
     if device.type == "cpu":
         assert max(errors.values()) < 1e-5, errors
 
@@ -404,6 +413,13 @@ def test_bf16_gradients_real_shapes(name, E, k, H, I, T):
     _, ref = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids),
                       leaves(*(t.double() for t in inputs)), grad_out.double())
     check_grads(grads, ref, torch_grads, ("x", "w1", "w2", "topk_weights"), atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_bf16_gradients_real_width():
+    """gpt-oss-20b's experts' widths (top-4, H = I = 2880) in bf16, as transformers stores them, with 8
+    of its 32 experts (the float64 reference of all 32 holds tens of GB)."""
+    gpt_oss_gradient_check("cuda", 512, 8, 4, 2880, 2880, torch.bfloat16, atol=1e-3)
 
 
 @pytest.mark.gpu

@@ -10,7 +10,8 @@ gpt-oss-20b (4 of its 24 layers). Implementations (attn_implementation / experts
 model without sdpa attention: `BASELINES`).
 Measured per model and implementation:
 - train: one step (forward, loss, backward, AdamW) at batch x --seqlen tokens, in tokens/s;
-- prefill: the forward of the same batch without gradients, in ms;
+- prefill: the forward of the same batch without gradients, with the logits of the last position
+  only (`logits_to_keep=1`, as `generate` runs a prompt), in ms;
 - decode: `generate` of --new-tokens tokens after a short prompt at batch 1 and 32, tokens/s,
   the implementations' runs interleaved on one shared copy of the weights (the host, whose speed
   drifts, bounds eager decoding).
@@ -170,7 +171,7 @@ def _measure(model, batch, seqlen, vocab, device, repeats, profile=False):
 
     def prefill():
         with torch.no_grad():
-            model(ids)
+            model(ids, logits_to_keep=1)
 
     row = {}
     model.train()

@@ -228,8 +228,8 @@ def _gpt_oss_gate(module) -> str | None:
 
 def _experts_call(module, hidden_states, top_k: int):
     """(None, `fused_experts`' weights and options for this experts module), or (why our kernels
-    cannot run it, None). Transposed weights are passed as views (read in place in inference),
-    interleaved gate/up rows and biases as `fused_experts`' options."""
+    cannot run it, None). Transposed weights are passed as views (read, and their gradients
+    written, in place), interleaved gate/up rows and biases as `fused_experts`' options."""
     from transformers.integrations.moe import _default_apply_gate
 
     flags = {"has_gate": False, "has_post_expert_norm": True, "_is_expert_parallel": True}

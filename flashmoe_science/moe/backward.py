@@ -83,8 +83,8 @@ class BackwardPlan:
                                                         configs.pairs_per_expert(T, self.top_k, E))
         self.tma = self.config.tma and experts.tma_capable(x)
         self.copy_x = x.stride(1) != 1
-        self.copy_w1 = w1.stride(2) != 1
-        self.copy_w2 = w2.stride(2) != 1
+        # Weights with unit stride along either of their last two dimensions are read in place.
+        self.copy_w1, self.copy_w2 = (not experts.unit_stride_rows_or_columns(w) for w in (w1, w2))
         cfg, I = self.config, self.inter
         self.grad_gate_up_tiles = -(-I // cfg.grad_gate_up.block_n)
         self.grids = {
@@ -119,8 +119,9 @@ def expert_row_sums(rows: torch.Tensor, block_expert: torch.Tensor, num_experts:
 
 def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert,
                         block_rows, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
-                        need_weight_grads: bool) -> None:
-    """[d gate, d up] (layout rows, 2I) into grad_gate_up, each column tile's part of d topk_weights
+                        need_weight_grads: bool, interleaved: bool = False) -> None:
+    """[d gate, d up] (layout rows, 2I) in w1's row order (gate rows then up rows, or `interleaved`)
+    into grad_gate_up, each column tile's part of d topk_weights
     into grad_weight_parts (plan.grad_gate_up_tiles, T * k) fp32, and with need_weight_grads
     w_p * h_p (layout rows, I) into weighted_h and each row's token into row_tokens (layout rows,)."""
     g = plan.config.grad_gate_up
@@ -130,7 +131,8 @@ def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_
         (grad_out, experts.tma_descriptor(w2, (1, g.block_k, g.block_n)) if tma else w2, h, h_grads, topk_weights,
          grad_gate_up, weighted_h, row_tokens, grad_weight_parts, sorted_pairs, block_expert, block_rows,
          plan.num_blocks, plan.num_tokens * plan.top_k, plan.hidden, plan.inter, plan.top_k, int(need_weight_grads),
-         grad_out.stride(0), w2.stride(0), w2.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m, tma),
+         grad_out.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), plan.block_m, g.block_n, g.block_k, g.group_m,
+         tma, interleaved),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
@@ -147,36 +149,37 @@ def launch_grad_x(key, plan: BackwardPlan, grad_gate_up, w1, grad_x_pairs, sorte
     _GRAD_X.launch(
         experts.launch_key_with_tma(key, tma), plan.grids["grad_x"],
         (grad_gate_up, w1_arg, grad_x_pairs, sorted_pairs, block_expert, block_rows, plan.num_blocks, plan.hidden,
-         plan.inter, w1.stride(0), w1.stride(1), plan.block_m, g.block_n, g.block_k, g.group_m, tma),
+         plan.inter, w1.stride(0), w1.stride(1), w1.stride(2), plan.block_m, g.block_n, g.block_k, g.group_m, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
 def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, layout_index, block, gathered_stride,
                         row_tokens, expert_blocks) -> None:
     """One weight-gradient kernel (`name`: grad_w1 or grad_w2): `operands` are its two inputs and
-    its output in the kernel's argument order, operands[layout_index] the input read in layout
-    order (a descriptor of `block` tiles with TMA), `gathered_stride` the row stride of the
-    input it gathers by token."""
+    its output (any strides) in the kernel's argument order, operands[layout_index] the input
+    read in layout order (a descriptor of `block` tiles with TMA), `gathered_stride` the row
+    stride of the input it gathers by token."""
     g = getattr(plan.config, name)
+    grad = operands[2]
     tma = plan.tma and experts.tma_addressable(operands[layout_index])
     if tma:
         operands = list(operands)
         operands[layout_index] = experts.tma_descriptor(operands[layout_index], block(g))
     launcher.launch(
         experts.launch_key_with_tma(key, tma), plan.grids[name],
-        (*operands, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m, gathered_stride, g.block_m,
-         g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0, tma),
+        (*operands, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m, gathered_stride, *grad.stride(),
+         g.block_m, g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0, tma),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
 def launch_grad_w1(key, plan: BackwardPlan, grad_gate_up, x, grad_w1, row_tokens, expert_blocks) -> None:
-    """grad_w1 (E, 2I, H): grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e]."""
+    """grad_w1 (E, 2I, H), any strides: grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e]."""
     _launch_weight_grad(_GRAD_W1, "grad_w1", key, plan, (grad_gate_up, x, grad_w1), 0,
                         lambda g: (g.block_k, g.block_m), x.stride(0), row_tokens, expert_blocks)
 
 
 def launch_grad_w2(key, plan: BackwardPlan, grad_out, weighted_h, grad_w2, row_tokens, expert_blocks) -> None:
-    """grad_w2 (E, H, I): grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e]."""
+    """grad_w2 (E, H, I), any strides: grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e]."""
     _launch_weight_grad(_GRAD_W2, "grad_w2", key, plan, (grad_out, weighted_h, grad_w2), 1,
                         lambda g: (g.block_k, g.block_n), grad_out.stride(0), row_tokens, expert_blocks)
 
@@ -191,6 +194,17 @@ def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
                                                            configs.pairs_per_expert(T, top_k, E)))}
 
 
+def gradient_like(w: torch.Tensor) -> torch.Tensor:
+    """An uninitialised gradient buffer for weight `w` (E, N, K), in its layout where that is dense
+    (a transposed view's gradient is one too, which autograd hands to the stored parameter without
+    a copy), else contiguous. The weight-gradient kernels write any strides whose column offsets
+    stay 32-bit: K times the column stride below 2**31 (contiguous, where an expert's matrix is
+    larger than that, and a transposed view's would pass it)."""
+    if w.shape[2] * w.stride(2) < 2**31:
+        return torch.empty_like(w)
+    return torch.empty(w.shape, dtype=w.dtype, device=w.device)
+
+
 def _plan(name, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *tensors):
     """(launch key, BackwardPlan) of a backward call, cached under the call's facts."""
     key = (name, *map(experts.tensor_key, (hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *tensors)))
@@ -201,7 +215,7 @@ def _plan(name, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *te
 
 
 def down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert,
-                  block_rows, need_gate_up_grad: bool, need_w2_grad: bool):
+                  block_rows, need_gate_up_grad: bool, need_w2_grad: bool, interleaved: bool = False):
     """The backward of the down GEMM and the activation: the first half of `fused_experts`' backward.
 
     Args:
@@ -211,19 +225,21 @@ def down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_
         h, h_grads, sorted_pairs, block_expert, block_rows: what `experts.gate_up_for_backward`
             returned.
         need_gate_up_grad, need_w2_grad: which gradients to return.
+        interleaved: w1's gate and up rows alternate (`fused_experts`' gate_up_interleaved).
 
     Returns:
-        (d [gate, up] (rows, 2I) in layout order, zero on padding rows, or an empty (0,) tensor;
-        d w2 (E, H, I) contiguous or an empty (0,) tensor; d topk_weights (T, k) float32, zero
-        for dropped slots). d w2 is zero for experts that received no token.
+        (d [gate, up] (rows, 2I) in layout order, its columns in w1's row order, zero on padding
+        rows, or an empty (0,) tensor; d w2 (E, H, I) in w2's layout (`gradient_like`) or an
+        empty (0,) tensor; d topk_weights (T, k) float32, zero for dropped slots). d w2 is zero
+        for experts that received no token.
     """
     T = hidden_states.shape[0]
     if T == 0:
         return (hidden_states.new_empty((0, w1.shape[1]) if need_gate_up_grad else (0,)),
-                torch.zeros_like(w2, memory_format=torch.contiguous_format) if need_w2_grad else w2.new_empty((0,)),
+                gradient_like(w2).zero_() if need_w2_grad else w2.new_empty((0,)),
                 torch.empty(topk_ids.shape, dtype=torch.float32, device=hidden_states.device))
-    key, plan = _plan("experts_down_backward", hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert,
-                      grad_out, topk_weights, h, h_grads, block_rows)
+    key, plan = _plan(("experts_down_backward", interleaved), hidden_states, w1, w2, topk_ids, sorted_pairs,
+                      block_expert, grad_out, topk_weights, h, h_grads, block_rows)
     w2 = w2.contiguous() if plan.copy_w2 else w2
     h, h_grads = h.contiguous(), h_grads.contiguous()  # the forward's are
     if grad_out.stride(1) != 1:
@@ -240,11 +256,11 @@ def down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_
     # Slots that no program covers (dropped ids) keep their zero.
     grad_weight_parts = torch.zeros((plan.grad_gate_up_tiles, T * k), dtype=torch.float32, device=device)
     launch_grad_gate_up(key, plan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert, block_rows,
-                        grad_gate_up, weighted_h, row_tokens, grad_weight_parts, need_w2_grad)
+                        grad_gate_up, weighted_h, row_tokens, grad_weight_parts, need_w2_grad, interleaved)
     grad_weights = grad_weight_parts.sum(dim=0).view(T, k)
     grad_w2 = w2.new_empty((0,))
     if need_w2_grad:
-        grad_w2 = routing.allocate((E, plan.hidden, I), dtype, device)
+        grad_w2 = gradient_like(w2)
         launch_grad_w2(key, plan, grad_out, weighted_h, grad_w2, row_tokens, expert_block_ranges(block_expert, E))
     return grad_gate_up if need_gate_up_grad else grad_gate_up.new_empty((0,)), grad_w2, grad_weights
 
@@ -261,13 +277,14 @@ def gate_up_backward(grad_gate_up, hidden_states, w1, w2, topk_ids, sorted_pairs
         need_input_grad, need_w1_grad: which gradients to return.
 
     Returns:
-        (d hidden_states (T, H) or an empty (0,) tensor, d w1 (E, 2I, H) contiguous or an empty
-        (0,) tensor), in hidden_states' dtype; d w1 is zero for experts that received no token.
+        (d hidden_states (T, H) or an empty (0,) tensor, d w1 (E, 2I, H) in w1's layout
+        (`gradient_like`) or an empty (0,) tensor), in hidden_states' dtype; d w1 is zero for
+        experts that received no token.
     """
     x, T = hidden_states, hidden_states.shape[0]
     if T == 0:
         return (x.new_empty(x.shape if need_input_grad else (0,)),
-                torch.zeros_like(w1, memory_format=torch.contiguous_format) if need_w1_grad else x.new_empty((0,)))
+                gradient_like(w1).zero_() if need_w1_grad else x.new_empty((0,)))
     key, plan = _plan("experts_gate_up_backward", x, w1, w2, topk_ids, sorted_pairs, block_expert, grad_gate_up,
                       block_rows)
     x = x.contiguous() if plan.copy_x else x
@@ -285,6 +302,6 @@ def gate_up_backward(grad_gate_up, hidden_states, w1, w2, topk_ids, sorted_pairs
         del grad_x_pairs
     if need_w1_grad:
         row_tokens = torch.where(sorted_pairs >= 0, sorted_pairs // k, -1)
-        grad_w1 = routing.allocate((E, 2 * plan.inter, H), dtype, device)
+        grad_w1 = gradient_like(w1)
         launch_grad_w1(key, plan, grad_gate_up, x, grad_w1, row_tokens, expert_block_ranges(block_expert, E))
     return grad_x, grad_w1

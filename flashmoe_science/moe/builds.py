@@ -65,9 +65,8 @@ def shipped_builds(capability: int):
             gpt_oss = element_size == 2 and not tma
             for activation, bias in [(a, False) for a in ACTIVATIONS] + ([("swiglu_oai", True)] if gpt_oss else []):
                 # what is 1 at run time is a compile-time constant (Triton specialises it): the unit
-                # stride along K and the step between columns' gate rows of our layout; gpt-oss's
-                # unit stride along N and the step from a gate row to its up row (interleaved)
-                strides = dict(stride_wn=1, up_row=1) if bias else dict(stride_wk=1, column_rows=1)
+                # stride along K of our layout, along N of gpt-oss's (whose gate and up rows interleave)
+                strides = dict(stride_wn=1, INTERLEAVED=True) if bias else dict(stride_wk=1, INTERLEAVED=False)
                 yield build(f"moe_gate_up {dtype} {activation}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {g}",
                             gate_up_kernel,
                             dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", b1_ptr=f"*{dtype}", h_ptr=f"*{dtype}",
@@ -87,39 +86,56 @@ def shipped_builds(capability: int):
                             d.num_warps, d.num_stages,
                             aligned=("H", "I", "stride_we", "stride_wk" if bias else "stride_wn"),
                             descriptors=tma and descriptors["moe_down"])
-    weight_grads = {}  # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M, tma)
+    # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M, tma, gpt-oss's layout)
+    weight_grads = {}
     for element_size, block_m, cfg in backward_configs(capability):
         for dtype, tma in product(_TRITON_DTYPES[element_size], (False, True) if cfg.tma and capability == 90
                                   else (False,)):
             g, x = cfg.grad_gate_up, cfg.grad_x
-            yield build(f"moe_grad_gate_up {dtype} BLOCK_M={block_m} {g}", grad_gate_up_kernel,
-                        dict(grad_out_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", h_ptr=f"*{dtype}", h_grads_ptr=f"*{dtype}",
-                             weights_ptr="*fp32", grad_gate_up_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}",
-                             row_tokens_ptr="*i32", grad_weights_ptr="*fp32", **layout),
-                        dict(BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, TMA=tma),
-                        g.num_warps, g.num_stages, aligned=("H", "I", "stride_gt", "stride_we", "stride_wn"),
-                        descriptors=tma and descriptors["moe_grad_gate_up"])
-            yield build(f"moe_grad_x {dtype} BLOCK_M={block_m} {x}", grad_x_kernel,
-                        dict(grad_gate_up_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", grad_x_pairs_ptr=f"*{dtype}", **layout),
-                        dict(BLOCK_M=block_m, BLOCK_N=x.block_n, BLOCK_K=x.block_k, GROUP_M=x.group_m, TMA=tma),
-                        x.num_warps, x.num_stages, aligned=("H", "I", "stride_we", "stride_wn"),
-                        descriptors=tma and descriptors["moe_grad_x"])
-            for label, w in (("moe_grad_w1", cfg.grad_w1), ("moe_grad_w2", cfg.grad_w2)):
-                weight_grads[(label, dtype, w, block_m % w.block_k == 0, tma)] = None
-    for label, dtype, w, aligned, tma in weight_grads:
+            # gpt-oss's experts, as for the forward: weights stored transposed (the unit stride along
+            # their rows, N) and gate and up rows interleaved, on the pointer path; our layout's unit
+            # stride along K.
+            for gpt_oss in (False, True) if element_size == 2 and not tma else (False,):
+                suffix = " transposed" if gpt_oss else ""
+                strides = dict(stride_wn=1, INTERLEAVED=True) if gpt_oss else dict(stride_wi=1, INTERLEAVED=False)
+                yield build(f"moe_grad_gate_up {dtype}{suffix} BLOCK_M={block_m} {g}", grad_gate_up_kernel,
+                            dict(grad_out_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", h_ptr=f"*{dtype}",
+                                 h_grads_ptr=f"*{dtype}", weights_ptr="*fp32", grad_gate_up_ptr=f"*{dtype}",
+                                 weighted_h_ptr=f"*{dtype}", row_tokens_ptr="*i32", grad_weights_ptr="*fp32",
+                                 **layout),
+                            dict(BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, TMA=tma,
+                                 **strides),
+                            g.num_warps, g.num_stages,
+                            aligned=("H", "I", "stride_gt", "stride_we", "stride_wi" if gpt_oss else "stride_wn"),
+                            descriptors=tma and descriptors["moe_grad_gate_up"])
+                strides = dict(stride_wn=1) if gpt_oss else dict(stride_wh=1)
+                yield build(f"moe_grad_x {dtype}{suffix} BLOCK_M={block_m} {x}", grad_x_kernel,
+                            dict(grad_gate_up_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", grad_x_pairs_ptr=f"*{dtype}",
+                                 **layout),
+                            dict(BLOCK_M=block_m, BLOCK_N=x.block_n, BLOCK_K=x.block_k, GROUP_M=x.group_m, TMA=tma,
+                                 **strides),
+                            x.num_warps, x.num_stages,
+                            aligned=("H", "I", "stride_we", "stride_wh" if gpt_oss else "stride_wn"),
+                            descriptors=tma and descriptors["moe_grad_x"])
+                for label, w in (("moe_grad_w1", cfg.grad_w1), ("moe_grad_w2", cfg.grad_w2)):
+                    weight_grads[(label, dtype, w, block_m % w.block_k == 0, tma, gpt_oss)] = None
+    for label, dtype, w, aligned, tma, gpt_oss in weight_grads:
+        # the gradient in its weight's layout: unit stride along its last dimension, or its rows
         constexprs = dict(BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, GROUP_M=w.group_m,
-                          ROWS_ALIGNED=aligned, TMA=tma)
+                          ROWS_ALIGNED=aligned, TMA=tma, **(dict(stride_om=1) if gpt_oss else dict(stride_on=1)))
+        name = f"{label} {dtype}{' transposed' if gpt_oss else ''} {w} rows_aligned={aligned}"
+        out_strides = ("stride_oe", "stride_on" if gpt_oss else "stride_om")
         if label == "moe_grad_w1":
-            yield build(f"{label} {dtype} {w} rows_aligned={aligned}", grad_w1_kernel,
+            yield build(name, grad_w1_kernel,
                         dict(grad_gate_up_ptr=f"*{dtype}", x_ptr=f"*{dtype}", grad_w1_ptr=f"*{dtype}",
                              row_tokens_ptr="*i32", expert_blocks_ptr="*i32"),
-                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_xt"),
+                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_xt", *out_strides),
                         descriptors=tma and descriptors[label])
         else:
-            yield build(f"{label} {dtype} {w} rows_aligned={aligned}", grad_w2_kernel,
+            yield build(name, grad_w2_kernel,
                         dict(grad_out_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}", grad_w2_ptr=f"*{dtype}",
                              row_tokens_ptr="*i32", expert_blocks_ptr="*i32"),
-                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_gt"),
+                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_gt", *out_strides),
                         descriptors=tma and descriptors[label])
     from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, quantize_groups_kernel
 

@@ -95,11 +95,7 @@ class _ExpertsPlan:
     __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "config", "dispatch", "path",
                  "copy_x", "copy_w1", "copy_w2", "device_index", "launch_key")
 
-    def __init__(self, key, hidden_states, w1, w2, top_k: int, config: configs.ExpertsConfig | None = None,
-                 transposed_in_place: bool = False):
-        """`transposed_in_place`: the forward kernels read weights whose unit stride is along their
-        output rows (transposed views, as transformers stores gpt-oss's) where they lie (the
-        backward kernels read them with unit stride along the last dimension: copied first)."""
+    def __init__(self, key, hidden_states, w1, w2, top_k: int, config: configs.ExpertsConfig | None = None):
         T, H = hidden_states.shape
         E, two_i, _ = w1.shape
         # Row indices of the padded layout (pairs plus up to BLOCK_M - 1 padding rows per expert)
@@ -112,10 +108,10 @@ class _ExpertsPlan:
                                                        top_k, E, H, self.inter)
         self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device)
         self.path = configs.path_name(T)
-        # The kernels read rows with unit stride along H (and I); other layouts are copied once.
+        # The kernels read rows with unit stride along H, and weights as `unit_stride_rows_or_columns`
+        # says; other layouts are copied once.
         self.copy_x = hidden_states.stride(1) != 1
-        self.copy_w1, self.copy_w2 = (w.stride(2) != 1 and not (transposed_in_place and w.stride(1) == 1
-                                                                and w.stride(2) < MAX_K_STRIDE) for w in (w1, w2))
+        self.copy_w1, self.copy_w2 = (not unit_stride_rows_or_columns(w) for w in (w1, w2))
         self.device_index = self.dispatch.device_index
         # What the launchers cache compiled kernels by: the call's facts and the configuration
         # (a tuned configuration replaces the table's for the same call facts).
@@ -144,17 +140,19 @@ def tma_descriptor(t: torch.Tensor, block, shape=None, strides=None) -> TensorDe
                                 list(t.stride() if strides is None else strides), list(block))
 
 
-def gate_up_rows(w1: torch.Tensor, interleaved: bool) -> tuple[int, int]:
-    """(rows from one column's gate row to the next column's, from a column's gate row to its up
-    row) of w1 (E, 2I, H): gate rows then up rows (1, I), or interleaved, gate, up, ... (2, 1)."""
-    return (2, 1) if interleaved else (1, w1.shape[1] // 2)
+def unit_stride_rows_or_columns(w: torch.Tensor) -> bool:
+    """Whether the expert kernels, forward and backward, read weight `w` (E, N, K) where it lies:
+    with unit stride along K, as our weights are stored, or along N (a transposed view, as
+    transformers stores gpt-oss's) with a K stride the forward's 32-bit tile offsets reach."""
+    return w.stride(2) == 1 or (w.stride(1) == 1 and w.stride(2) < MAX_K_STRIDE)
 
 
 def gate_up_weight_descriptor(w1: torch.Tensor, block_n: int, block_k: int, interleaved: bool) -> TensorDescriptor:
     """w1 (E, 2I, H) seen as (E, I, 2, H), in boxes of (1, block_n, 2, block_k): each box holds the
     gate and up rows of block_n columns interleaved, gate_up_kernel's B tile."""
     E, two_i, H = w1.shape
-    column_rows, up_row = gate_up_rows(w1, interleaved)
+    # rows from one column's gate row to the next column's, and from a gate row to its up row
+    column_rows, up_row = (2, 1) if interleaved else (1, two_i // 2)
     return tma_descriptor(w1, (1, block_n, 2, block_k), (E, two_i // 2, 2, H),
                           (w1.stride(0), column_rows * w1.stride(1), up_row * w1.stride(1), 1))
 
@@ -162,21 +160,20 @@ def gate_up_weight_descriptor(w1: torch.Tensor, block_n: int, block_k: int, inte
 def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, x, w1, h, top_k: int,
                    activation: str, device_index, h_grads=None, w1_bias=None, interleaved: bool = False) -> None:
     """h (layout rows, I) = act(gate, up), [gate, up] = x @ w1[e].T (+ w1_bias[e]), for every
-    pair of the layout (w1's gate and up rows as `gate_up_rows` says); with `h_grads`
+    pair of the layout (w1's rows gate then up, or alternating with `interleaved`); with `h_grads`
     ((layout rows, 2I), x's dtype) also the activation's local derivatives [dh/dgate, dh/dup].
     Biased calls run the pointer path (the builds of the biased kernel)."""
     g = cfg.gate_up
     H, I = x.shape[1], h.shape[1]
     tma = cfg.tma and w1_bias is None and tma_capable(x) and tma_addressable(w1)
-    column_rows, up_row = gate_up_rows(w1, interleaved)
     _GATE_UP.launch(
         launch_key_with_tma(key, tma), (layout.num_blocks * -(-I // g.block_n), 1, 1),
         (x, gate_up_weight_descriptor(w1, g.block_n, g.block_k, interleaved) if tma else w1,
          x if w1_bias is None else w1_bias, h, h if h_grads is None else h_grads,
          layout.sorted_pairs, layout.block_expert, layout.block_rows,
          layout.num_blocks, H, I, top_k, int(h_grads is not None), x.stride(0), w1.stride(0), w1.stride(1),
-         w1.stride(2), up_row, column_rows, 0 if w1_bias is None else w1_bias.stride(0),
-         activation, cfg.block_m, g.block_n, g.block_k, g.group_m, tma, w1_bias is not None),
+         w1.stride(2), 0 if w1_bias is None else w1_bias.stride(0),
+         activation, cfg.block_m, g.block_n, g.block_k, g.group_m, tma, w1_bias is not None, interleaved),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=device_index)
 
 
@@ -262,13 +259,11 @@ def _check_routing_tensors(hidden_states, topk_weights, topk_ids, num_experts) -
     routing.check_top_k(topk_ids.shape[1], num_experts)
 
 
-def _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                      transposed_in_place: bool = False) -> _ExpertsPlan:
+def _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation) -> _ExpertsPlan:
     """Checks a call of `fused_experts` (or its saving forward) and caches its plan under `key`."""
     _check_experts_args(hidden_states, w1, w2, activation)
     _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
-    return _EXPERTS_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1],
-                                                     transposed_in_place=transposed_in_place))
+    return _EXPERTS_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, topk_ids.shape[1]))
 
 
 def _check_biases(hidden_states, w1, w1_bias, w2_bias) -> None:
@@ -323,13 +318,12 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         w1_bias: (E, 2I) in w1's row order, and w2_bias: (E, H), hidden_states' dtype, or None.
         gate_up_interleaved: w1's (and w1_bias') rows alternate gate, up, gate, ... instead of
             gate rows then up rows (gpt-oss's layout).
-        With gradients, interleaved rows cost a copy of w1 in gate-then-up order each call, and
-        weights stored transposed a contiguous copy (the backward kernels read them so).
 
     E from 1 to 256, top_k from 1 to min(E, 8); H and I multiples of 16. The weights are read in
-    place with unit stride along their last dimension, or, without gradients, along their middle
-    one (views of weights stored transposed, (E, H, 2I) and (E, I, H), as transformers stores
-    gpt-oss's); other layouts are copied first.
+    place, forward and backward, with unit stride along their last dimension or along their
+    middle one (views of weights stored transposed, (E, H, 2I) and (E, I, H), as transformers
+    stores gpt-oss's), and their gradients come back in the same layout; other layouts are
+    copied first.
 
     Returns:
         out: (T, H) in hidden_states' dtype; (0, H) when T = 0. The result is deterministic: a
@@ -375,8 +369,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="
         raise
     if plan is None:
         _check_biases(hidden_states, w1, w1_bias, w2_bias)
-        plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                                 transposed_in_place=True)
+        plan = _new_experts_plan(key, hidden_states, w1, w2, topk_weights, topk_ids, activation)
     x, w1, w2 = plan.operands(hidden_states, w1, w2)
     if plan.num_tokens == 0:
         return x.new_empty((0, plan.hidden))
@@ -475,18 +468,14 @@ def _fp8_moe(hidden_states, w1, w2, router_logits, top_k, renormalize, activatio
 def _experts_op(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None, w2_bias=None,
                 interleaved=False):
     """fused_experts through the differentiable custom ops (arguments already checked): the
-    weights as fp32 and the ids as int32, contiguous, as the kernels read them (the conversion
-    of the weights is itself differentiable). Interleaved gate/up rows become a copy of w1 (and
-    w1_bias) in gate-then-up order, whose gradient autograd takes back to the interleaved
-    parameter: the backward kernels read and write that order. w2_bias is added as the routed sum
-    of its rows (`_routed_bias`), through which autograd takes its gradient and its part of the
-    routing weights'."""
+    routing weights as fp32 and the ids as int32, contiguous, as the kernels read them (the
+    conversion of the weights is itself differentiable). The kernels read w1 and w2 where they
+    lie, forward and backward, gate/up rows interleaved or not, and write their gradients in
+    the same layout. w2_bias is added as the routed sum of its rows (`_routed_bias`), through
+    which autograd takes its gradient and its part of the routing weights'."""
     weights = topk_weights.to(torch.float32).contiguous()
     ids = routing.ids_int32(topk_ids, w1.shape[0])
-    if interleaved:
-        w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], 1)
-        w1_bias = None if w1_bias is None else torch.cat([w1_bias[:, 0::2], w1_bias[:, 1::2]], 1)
-    out = _experts_with_backward(hidden_states, w1, w2, weights, ids, activation, w1_bias)
+    out = _experts_with_backward(hidden_states, w1, w2, weights, ids, activation, w1_bias, interleaved)
     if w2_bias is None:
         return out
     return (out.float() + _routed_bias(weights, ids, w2_bias)).to(out.dtype)
@@ -510,11 +499,12 @@ def saved_layout_size(hidden_states, w1, top_k: int) -> tuple[int, int]:
     return cfg.block_m, routing.layout_blocks(T * top_k, E, cfg.block_m)
 
 
-def _saving_plan(name, hidden_states, w1, w2, topk_weights, topk_ids, activation=None, w1_bias=None) -> _ExpertsPlan:
+def _saving_plan(name, hidden_states, w1, w2, topk_weights, topk_ids, activation=None, w1_bias=None,
+                 interleaved=False) -> _ExpertsPlan:
     """The plan of a custom op's half of the saving forward, cached under its own key (the
-    activation and w1_bias checked where they apply: the gate/up half)."""
+    activation, w1_bias and the gate/up row order checked where they apply: the gate/up half)."""
     key = (name, tensor_key(hidden_states), tensor_key(w1), tensor_key(w2), tensor_key(topk_weights),
-           tensor_key(topk_ids), activation, None if w1_bias is None else tensor_key(w1_bias))
+           tensor_key(topk_ids), activation, None if w1_bias is None else tensor_key(w1_bias), interleaved)
     plan = _EXPERTS_PLANS.get(key)
     if plan is None:
         if w1_bias is not None:  # checked before a plan is cached under the key it is part of
@@ -524,13 +514,14 @@ def _saving_plan(name, hidden_states, w1, w2, topk_weights, topk_ids, activation
     return plan
 
 
-def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None):
+def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None,
+                         interleaved=False):
     """The first half of `fused_experts`' forward, keeping what its backward needs: routing's
     layout and the gate/up GEMM.
 
     Args as for `fused_experts`, except topk_weights: (T, top_k) float32 and topk_ids:
-    (T, top_k) int32, both contiguous (w2 and topk_weights only size the plan); w1's rows gate
-    then up (w1_bias likewise).
+    (T, top_k) int32, both contiguous (w2 and topk_weights only size the plan); w1's rows (and
+    w1_bias') gate then up, or alternating with `interleaved`.
 
     Returns:
         (h (rows, I), h_grads (rows, 2I), sorted_pairs (rows,) int32, block_expert (blocks,)
@@ -539,14 +530,15 @@ def gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activati
         both in layout order and zero on padding rows; rows = blocks * BLOCK_M
         (`saved_layout_size`).
     """
-    plan = _saving_plan("experts_gate_up", hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias)
+    plan = _saving_plan("experts_gate_up", hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias,
+                        interleaved)
     x, w1, _ = plan.operands(hidden_states, w1, w2)
     if plan.num_tokens == 0:
         return (x.new_empty((0, plan.inter)), x.new_empty((0, 2 * plan.inter)),
                 *(topk_ids.new_empty((0,)) for _ in range(3)))
     layout = routing.align_pairs(topk_ids, plan.dispatch, plan.launch_key)
     h_grads = routing.allocate((layout.num_blocks * layout.block_m, 2 * plan.inter), x.dtype, x.device)
-    h = _run_gate_up(plan, x, w1, layout, activation, h_grads, _contiguous_rows(w1_bias))
+    h = _run_gate_up(plan, x, w1, layout, activation, h_grads, _contiguous_rows(w1_bias), interleaved)
     return h, h_grads, layout.sorted_pairs, layout.block_expert, layout.block_rows
 
 
@@ -561,13 +553,14 @@ def down_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, h, sorted_p
     return _run_down(plan, h, w2, topk_weights, topk_ids, layout)
 
 
-def _experts_with_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None):
+def _experts_with_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None,
+                           interleaved=False):
     """`fused_experts` through its two saving custom ops (ops.py): gate/up, then down. Two
     autograd nodes, so the backward frees what the down half kept (h and the activation's
     derivatives) before the gate/up half's weight gradient is allocated."""
     ops = torch.ops.flashmoe_science
-    saved = ops.moe_experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias)
-    return ops.moe_experts_down(hidden_states, w1, w2, topk_weights, topk_ids, *saved)
+    saved = ops.moe_experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias, interleaved)
+    return ops.moe_experts_down(hidden_states, w1, w2, topk_weights, topk_ids, *saved, interleaved)
 
 
 def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activation="silu",
@@ -619,7 +612,7 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
         raise
     if plan is None:
         _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
-        plan = _MOE_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, top_k, transposed_in_place=True))
+        plan = _MOE_PLANS.remember(key, _ExpertsPlan(key, hidden_states, w1, w2, top_k))
     else:  # the key compares top_k=2.0 equal to 2 and renormalize=1 equal to True: types checked every call
         routing.check_top_k(top_k, plan.num_experts)
         routing.check_routing_options(renormalize, scoring)
@@ -698,7 +691,7 @@ def tune(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activ
     key = _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
     timings = {}
     for cfg in dict.fromkeys(cfg for _, cfg in table):
-        plan = _ExpertsPlan(key, hidden_states, w1, w2, top_k, cfg, transposed_in_place=True)
+        plan = _ExpertsPlan(key, hidden_states, w1, w2, top_k, cfg)
         timings[cfg] = _median_call_ms(functools.partial(
             _moe_forward, plan, hidden_states, w1, w2, router_logits, renormalize, activation, scoring))
     best = min(timings, key=timings.get)

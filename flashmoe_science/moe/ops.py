@@ -58,15 +58,17 @@ route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
 
 @torch.library.custom_op("flashmoe_science::moe_experts_gate_up", mutates_args=())
 def experts_gate_up_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                       activation: str, w1_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor,
-                                                                                   Tensor]:
+                       activation: str, w1_bias: Optional[Tensor] = None,
+                       gate_up_interleaved: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(h, h_grads, sorted_pairs, block_expert, block_rows) of `experts.gate_up_for_backward`;
     topk_weights float32 and topk_ids int32, contiguous."""
-    return experts.gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias)
+    return experts.gate_up_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias,
+                                        gate_up_interleaved)
 
 
 @experts_gate_up_op.register_fake
-def _experts_gate_up_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None):
+def _experts_gate_up_fake(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None,
+                          gate_up_interleaved=False):
     T = hidden_states.shape[0]
     inter = w1.shape[1] // 2
     if isinstance(T, torch.SymInt):
@@ -85,15 +87,17 @@ def _experts_gate_up_fake(hidden_states, w1, w2, topk_weights, topk_ids, activat
 
 @torch.library.custom_op("flashmoe_science::moe_experts_down", mutates_args=())
 def experts_down_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, h: Tensor,
-                    h_grads: Tensor, sorted_pairs: Tensor, block_expert: Tensor, block_rows: Tensor) -> Tensor:
-    """out (T, H) of `experts.down_for_backward`; h_grads is an input for the backward only."""
+                    h_grads: Tensor, sorted_pairs: Tensor, block_expert: Tensor, block_rows: Tensor,
+                    gate_up_interleaved: bool = False) -> Tensor:
+    """out (T, H) of `experts.down_for_backward`; h_grads and w1's gate/up row order are for the
+    backward only."""
     return experts.down_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, h, sorted_pairs, block_expert,
                                      block_rows)
 
 
 @experts_down_op.register_fake
 def _experts_down_fake(hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert,
-                       block_rows):
+                       block_rows, gate_up_interleaved=False):
     return hidden_states.new_empty((hidden_states.shape[0], w2.shape[1]))
 
 
@@ -119,17 +123,17 @@ def _experts_inference_fake(hidden_states, w1, w2, topk_weights, topk_ids, activ
 def experts_down_backward_op(grad_out: Tensor, hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
                              topk_ids: Tensor, h: Tensor, h_grads: Tensor, sorted_pairs: Tensor,
                              block_expert: Tensor, block_rows: Tensor, need_gate_up_grad: bool,
-                             need_w2_grad: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                             need_w2_grad: bool, gate_up_interleaved: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """(d [gate, up], d w2, d topk_weights) of `backward.down_backward`."""
     return backward.down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs,
-                                  block_expert, block_rows, need_gate_up_grad, need_w2_grad)
+                                  block_expert, block_rows, need_gate_up_grad, need_w2_grad, gate_up_interleaved)
 
 
 @experts_down_backward_op.register_fake
 def _experts_down_backward_fake(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs,
-                                block_expert, block_rows, need_gate_up_grad, need_w2_grad):
+                                block_expert, block_rows, need_gate_up_grad, need_w2_grad, gate_up_interleaved=False):
     return (h_grads.new_empty(h_grads.shape) if need_gate_up_grad else h_grads.new_empty((0,)),
-            w2.new_empty(w2.shape) if need_w2_grad else w2.new_empty((0,)),
+            backward.gradient_like(w2) if need_w2_grad else w2.new_empty((0,)),
             topk_weights.new_empty(topk_ids.shape))
 
 
@@ -146,7 +150,7 @@ def experts_gate_up_backward_op(grad_gate_up: Tensor, hidden_states: Tensor, w1:
 def _experts_gate_up_backward_fake(grad_gate_up, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert,
                                    block_rows, need_input_grad, need_w1_grad):
     new = hidden_states.new_empty
-    return new(hidden_states.shape) if need_input_grad else new((0,)), new(w1.shape) if need_w1_grad else new((0,))
+    return new(hidden_states.shape) if need_input_grad else new((0,)), backward.gradient_like(w1) if need_w1_grad else new((0,))
 
 
 # The two saving ops are two autograd nodes. The down node's backward applies the activation's
@@ -179,19 +183,23 @@ experts_gate_up_op.register_autograd(_gate_up_backward, setup_context=_gate_up_s
 
 
 def _down_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:10])
+    ctx.interleaved = inputs[10] if len(inputs) > 10 else False
     ctx.set_materialize_grads(False)
 
 
 def _down_backward(ctx, grad_out):
+    # one gradient per input the op was called with (gate_up_interleaved, when left at its default, is not one)
+    grads = [None] * len(ctx.needs_input_grad)
     if grad_out is None:
-        return (None,) * 10
+        return tuple(grads)
     need = ctx.needs_input_grad
     need_w2, need_weights, need_gate_up = need[2], need[3], need[6]
     grad_gate_up, grad_w2, grad_weights = experts_down_backward_op(grad_out, *ctx.saved_tensors, need_gate_up,
-                                                                   need_w2)
-    return (None, None, grad_w2 if need_w2 else None, grad_weights if need_weights else None, None, None,
-            grad_gate_up if need_gate_up else None, None, None, None)
+                                                                   need_w2, ctx.interleaved)
+    grads[2], grads[3] = (grad_w2 if need_w2 else None), (grad_weights if need_weights else None)
+    grads[6] = grad_gate_up if need_gate_up else None
+    return tuple(grads)
 
 
 experts_down_op.register_autograd(_down_backward, setup_context=_down_setup_context)

@@ -49,16 +49,19 @@ def grad_gate_up_kernel(
     grad_out_ptr, w2_ptr, h_ptr, h_grads_ptr, weights_ptr, grad_gate_up_ptr, weighted_h_ptr, row_tokens_ptr,
     grad_weights_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
     num_blocks_m, num_pairs, H, I, top_k, weight_grad_operands,
-    stride_gt, stride_we, stride_wn,
+    stride_gt, stride_we, stride_wn, stride_wi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, INTERLEAVED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """grad_out: (T, H), row stride stride_gt; w2: (E, H, I), strides (stride_we, stride_wn, 1)
-    (TMA: a descriptor of it, blocks (1, BLOCK_K, BLOCK_N));
+    """grad_out: (T, H), row stride stride_gt; w2: (E, H, I), strides (stride_we, stride_wn,
+    stride_wi): I contiguous (stride_wi 1; TMA: a descriptor of it, blocks (1, BLOCK_K, BLOCK_N)),
+    or H (a transposed view, as transformers stores gpt-oss's; the pointer path);
     h: (rows, I) and h_grads: (rows, 2I) [dh/dgate, dh/dup], the forward's, layout order;
     weights: (T * top_k,) fp32.
 
-    Writes, in layout order: grad_gate_up (rows, 2I) = [d gate, d up]; when
+    Writes, in layout order: grad_gate_up (rows, 2I), d gate and d up in w1's row order (column
+    n's d gate at column n and its d up at I + n, or with INTERLEAVED 2n and 2n + 1), so the
+    gate/up backward reads w1 and writes d w1 row for row; when
     weight_grad_operands (the weight gradients follow) weighted_h (rows, I) = w_p * h_p, the
     B operand of grad_w2, and row_tokens (rows,) int32, each row's token or -1 on padding rows
     (the column-tile-0 programs write it). grad_weights: (cdiv(I, BLOCK_N), T * top_k) fp32,
@@ -76,15 +79,14 @@ def grad_gate_up_kernel(
     n_ok = offs_n < I
     if expert < 0:  # the layout's unused blocks: grad_gate_up (the op's output) holds zeros there too
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=grad_gate_up_ptr.dtype.element_ty)
-        unused_offs = wide_offset(rows, 2 * I)[:, None] + offs_n[None, :]
-        tl.store(grad_gate_up_ptr + unused_offs, zeros, mask=n_ok[None, :])
-        tl.store(grad_gate_up_ptr + I + unused_offs, zeros, mask=n_ok[None, :])
+        _store_gate_up(grad_gate_up_ptr, rows, pid_n, offs_n, n_ok, I, zeros, zeros, INTERLEAVED)
         return
     offs_k = tl.arange(0, BLOCK_K)
     dy_ptrs = grad_out_ptr + wide_offset(pairs // top_k, stride_gt)[:, None] + offs_k[None, :]
-    # w2[e] is (H, I) with I contiguous: the (BLOCK_K, BLOCK_N) tile w2[e, k, n] is row-major.
+    # The (BLOCK_K, BLOCK_N) tile w2[e, k, n]: row-major (I contiguous) or column-major (transposed).
     if not TMA:
-        w_ptrs = w2_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None] + offs_n[None, :]
+        w_ptrs = (w2_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None]
+                  + wide_offset(offs_n, stride_wi)[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
@@ -110,25 +112,41 @@ def grad_gate_up_kernel(
         tl.store(weighted_h_ptr + h_offs[:, None] + offs_n[None, :], (h * route_weight).to(out_dtype),
                  mask=n_ok[None, :])
     grad_h = acc * route_weight
-    gate_up_offs = wide_offset(rows, 2 * I)
-    dh_dup = tl.load(h_grads_ptr + I + gate_up_offs[:, None] + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-    tl.store(grad_gate_up_ptr + I + gate_up_offs[:, None] + offs_n[None, :],
-             (grad_h * dh_dup.to(tl.float32)).to(out_dtype), mask=n_ok[None, :])
-    dh_dgate = tl.load(h_grads_ptr + gate_up_offs[:, None] + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-    tl.store(grad_gate_up_ptr + gate_up_offs[:, None] + offs_n[None, :],
-             (grad_h * dh_dgate.to(tl.float32)).to(out_dtype), mask=n_ok[None, :])
+    h_grads_offs = wide_offset(rows, 2 * I)[:, None] + offs_n[None, :]
+    dh_dgate = tl.load(h_grads_ptr + h_grads_offs, mask=n_ok[None, :], other=0.0)
+    dh_dup = tl.load(h_grads_ptr + I + h_grads_offs, mask=n_ok[None, :], other=0.0)
+    _store_gate_up(grad_gate_up_ptr, rows, pid_n, offs_n, n_ok, I, (grad_h * dh_dgate.to(tl.float32)).to(out_dtype),
+                   (grad_h * dh_dup.to(tl.float32)).to(out_dtype), INTERLEAVED)
+
+
+@triton.jit
+def _store_gate_up(ptr, rows, pid_n, offs_n, n_ok, I, gate, up, INTERLEAVED: tl.constexpr):
+    """Stores the (BLOCK_M, BLOCK_N) tiles `gate` and `up` of columns offs_n into the layout rows
+    `rows` of a (rows, 2I) buffer in w1's row order: gate columns then up columns, or with
+    INTERLEAVED alternating, as one contiguous (BLOCK_M, 2 BLOCK_N) tile."""
+    row_offs = wide_offset(rows, 2 * I)[:, None]
+    if INTERLEAVED:
+        BLOCK_M: tl.constexpr = gate.shape[0]
+        BLOCK_N: tl.constexpr = gate.shape[1]
+        cols = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        tl.store(ptr + row_offs + cols[None, :], tl.reshape(tl.join(gate, up), (BLOCK_M, 2 * BLOCK_N)),
+                 mask=(cols < 2 * I)[None, :])
+    else:
+        tl.store(ptr + row_offs + offs_n[None, :], gate, mask=n_ok[None, :])
+        tl.store(ptr + I + row_offs + offs_n[None, :], up, mask=n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_blocks_m"])
 def grad_x_kernel(
     grad_gate_up_ptr, w1_ptr, grad_x_pairs_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
     num_blocks_m, H, I,
-    stride_we, stride_wn,
+    stride_we, stride_wn, stride_wh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """grad_gate_up: (rows, 2I) contiguous, layout order; w1: (E, 2I, H), strides (stride_we,
-    stride_wn, 1); grad_x_pairs: (T * top_k, H) contiguous, row p = w1[e].T @ grad_gate_up[row of p].
+    """grad_gate_up: (rows, 2I) contiguous, layout order, columns in w1's row order; w1: (E, 2I, H),
+    strides (stride_we, stride_wn, stride_wh): H contiguous (stride_wh 1), or 2I (a transposed
+    view, the pointer path); grad_x_pairs: (T * top_k, H) contiguous, row p = w1[e].T @ grad_gate_up[row of p].
     TMA: grad_gate_up and w1 are descriptors, blocks (BLOCK_M, BLOCK_K) and (1, BLOCK_K, BLOCK_N)."""
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
                                                BLOCK_M, BLOCK_N, GROUP_M)
@@ -143,8 +161,9 @@ def grad_x_kernel(
         first_row = _tile_coordinates(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)[0] * BLOCK_M
     else:
         a_ptrs = grad_gate_up_ptr + wide_offset(rows, 2 * I)[:, None] + offs_k[None, :]
-        # w1[e] is (2I, H) with H contiguous: the (BLOCK_K, BLOCK_N) tile w1[e, k, n] is row-major.
-        w_ptrs = w1_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None] + offs_n[None, :]
+        # The (BLOCK_K, BLOCK_N) tile w1[e, k, n]: row-major (H contiguous) or column-major (transposed).
+        w_ptrs = (w1_ptr + wide_offset(expert, stride_we) + wide_offset(offs_k, stride_wn)[:, None]
+                  + wide_offset(offs_n, stride_wh)[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, 2 * I, BLOCK_K):
         if TMA:
@@ -206,11 +225,12 @@ def _past_expert_zeroed(tile, in_range):
 @triton.jit(do_not_specialize=["block_m"])
 def grad_w1_kernel(
     grad_gate_up_ptr, x_ptr, grad_w1_ptr, row_tokens_ptr, expert_blocks_ptr,
-    H, I, block_m, stride_xt,
+    H, I, block_m, stride_xt, stride_oe, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """grad_w1: (E, 2I, H) contiguous, grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
+    """grad_w1: (E, 2I, H), strides (stride_oe, stride_om, stride_on) (w1's: contiguous, or a
+    transposed view; H * stride_on < 2**31), grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
 
     grad_gate_up: (rows, 2I) contiguous, layout order, zero on padding rows (read unmasked
     there; TMA: a descriptor of it, blocks (BLOCK_K, BLOCK_M)); x: (T, H), row stride stride_xt;
@@ -239,18 +259,20 @@ def grad_w1_kernel(
         b = tl.load(x_ptr + wide_offset(tokens, stride_xt)[:, None] + offs_n[None, :],
                     mask=(tokens >= 0)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    out_offs = wide_offset(expert, 2 * I) * H + wide_offset(offs_m, H)[:, None] + offs_n[None, :]
+    out_offs = (wide_offset(expert, stride_oe) + wide_offset(offs_m, stride_om)[:, None]
+                + (offs_n * stride_on)[None, :])
     tl.store(grad_w1_ptr + out_offs, acc.to(grad_w1_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["block_m"])
 def grad_w2_kernel(
     grad_out_ptr, weighted_h_ptr, grad_w2_ptr, row_tokens_ptr, expert_blocks_ptr,
-    H, I, block_m, stride_gt,
+    H, I, block_m, stride_gt, stride_oe, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """grad_w2: (E, H, I) contiguous, grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e].
+    """grad_w2: (E, H, I), strides (stride_oe, stride_om, stride_on) (w2's: contiguous, or a
+    transposed view; I * stride_on < 2**31), grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e].
 
     grad_out: (T, H), row stride stride_gt; weighted_h: (rows, I) contiguous, w_p * h_p in
     layout order, zero on padding rows (read unmasked there; TMA: a descriptor of it, blocks
@@ -277,5 +299,6 @@ def grad_w2_kernel(
             b = tl.load(weighted_h_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :],
                         mask=in_range[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    out_offs = wide_offset(expert, H) * I + wide_offset(offs_m, I)[:, None] + offs_n[None, :]
+    out_offs = (wide_offset(expert, stride_oe) + wide_offset(offs_m, stride_om)[:, None]
+                + (offs_n * stride_on)[None, :])
     tl.store(grad_w2_ptr + out_offs, acc.to(grad_w2_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

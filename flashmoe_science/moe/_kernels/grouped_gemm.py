@@ -140,16 +140,16 @@ def _gated_activation_grads(gate, up, ACTIVATION: tl.constexpr):
 def gate_up_kernel(
     x_ptr, w1_ptr, b1_ptr, h_ptr, h_grads_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
     num_blocks_m, H, I, top_k, store_h_grads,
-    stride_xt, stride_we, stride_wn, stride_wk, up_row, column_rows, stride_be,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_be,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn,
     stride_wk) (TMA: a descriptor of its (E, I, 2, H) view, blocks (1, BLOCK_N, 2, BLOCK_K));
-    column n's gate row is n * column_rows and its up row that plus up_row (gate rows then up
-    rows: 1 and I; interleaved, gate, up, gate, ...: 2 and 1). b1 (HAS_BIAS): (E, 2I) in w1's
-    row order, strides (stride_be, 1), added to the products before the activation.
+    column n's gate row is n and its up row I + n, or with INTERLEAVED (gate, up, gate, ...) 2n
+    and 2n + 1. b1 (HAS_BIAS): (E, 2I) in w1's row order, strides (stride_be, 1), added to the
+    products before the activation.
     h: (num_blocks_m * BLOCK_M, I) contiguous, in x's dtype; h_grads (written when
     store_h_grads is 1): (num_blocks_m * BLOCK_M, 2I) contiguous, in x's dtype,
     [dh/dgate, dh/dup]."""
@@ -172,7 +172,10 @@ def gate_up_kernel(
     # the A tile), whose accumulator splits into gate and up in registers.
     offs_c = tl.arange(0, 2 * BLOCK_N)
     col_n = pid_n * BLOCK_N + offs_c // 2
-    w_rows = (offs_c % 2) * up_row + col_n * column_rows
+    if INTERLEAVED:  # the tile's rows are consecutive: unit-stride loads where w1 is stored transposed
+        w_rows = pid_n * (2 * BLOCK_N) + offs_c
+    else:
+        w_rows = (offs_c % 2) * I + col_n
     if not TMA:
         w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, w_rows, stride_wn, offs_k, stride_wk)
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
