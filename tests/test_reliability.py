@@ -307,6 +307,8 @@ def _opcheck_cases(device):
     weights, ids = moe_ops.route_op(logits, 2, True, "softmax")
     saved = moe_ops.experts_gate_up_op(x, w1, w2, weights, ids, "silu")
     grad_gate_up = torch.randn_like(saved[1])
+    w1_t, w2_t = (w.detach().transpose(1, 2).contiguous().transpose(1, 2) for w in (w1, w2))
+    saved_t = moe_ops.experts_gate_up_op(x.detach(), w1_t, w2_t, weights.detach(), ids, "silu", None, True)
     return [
         (attention_ops.attention_forward, (q, k, v, True, 0.3, 3, -1, 5.0)),
         (attention_ops.attention_backward, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(),
@@ -323,6 +325,10 @@ def _opcheck_cases(device):
                                             weights.detach(), ids, *(t.detach() for t in saved), True, True)),
         (moe_ops.experts_gate_up_backward_op, (grad_gate_up, x.detach(), w1.detach(), w2.detach(), ids,
                                                *saved[2:], True, True)),
+        # weights stored transposed (gpt-oss's), gate/up rows interleaved: gradients in their layout
+        (moe_ops.experts_down_backward_op, (torch.randn(9, 32, device=device), x.detach(), w1_t, w2_t, weights.detach(),
+                                            ids, *(t.detach() for t in saved_t), True, True, True)),
+        (moe_ops.experts_gate_up_backward_op, (grad_gate_up, x.detach(), w1_t, w2_t, ids, *saved_t[2:], True, True)),
         (moe_ops.experts_inference_op, (x.detach(), w1.detach(), w2.detach(), weights.detach(), ids, "silu", None,
                                         None, None)),
         (attention_ops.attention_with_kvcache, (torch.randn(2, 1, 4, 16, device=device),

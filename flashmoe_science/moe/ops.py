@@ -150,7 +150,8 @@ def experts_gate_up_backward_op(grad_gate_up: Tensor, hidden_states: Tensor, w1:
 def _experts_gate_up_backward_fake(grad_gate_up, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert,
                                    block_rows, need_input_grad, need_w1_grad):
     new = hidden_states.new_empty
-    return new(hidden_states.shape) if need_input_grad else new((0,)), backward.gradient_like(w1) if need_w1_grad else new((0,))
+    return (new(hidden_states.shape) if need_input_grad else new((0,)),
+            backward.gradient_like(w1) if need_w1_grad else new((0,)))
 
 
 # The two saving ops are two autograd nodes. The down node's backward applies the activation's

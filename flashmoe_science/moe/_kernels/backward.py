@@ -15,7 +15,8 @@ Four kernels, each output element written by exactly one program, every sum in a
 (no atomics: the gradients are bitwise reproducible):
 - grad_gate_up_kernel: row blocks x I columns, K = H. Gathers dY rows by token inside the K
   loop (as the forward gathers x), multiplies by w2[e]; the epilogue scales by the stored
-  activation derivatives and writes [d g, d u] (rows, 2I) in layout order, this column
+  activation derivatives and writes [d g, d u] (rows, 2I) in layout order (its columns in
+  w1's row order: gate rows then up rows, or interleaved), this column
   tile's share of d w_p, and for the weight gradients w_p * h_p and each row's pair index.
 - grad_x_kernel: row blocks x H columns, K = 2I: [d g, d u] @ w1[e], each row written to its
   pair's slot p, so the forward's combine kernel sums a token's k rows in a fixed order.
@@ -146,7 +147,8 @@ def grad_x_kernel(
 ):
     """grad_gate_up: (rows, 2I) contiguous, layout order, columns in w1's row order; w1: (E, 2I, H),
     strides (stride_we, stride_wn, stride_wh): H contiguous (stride_wh 1), or 2I (a transposed
-    view, the pointer path); grad_x_pairs: (T * top_k, H) contiguous, row p = w1[e].T @ grad_gate_up[row of p].
+    view, the pointer path); grad_x_pairs: (T * top_k, H) contiguous, row p =
+    w1[e].T @ grad_gate_up[row of p].
     TMA: grad_gate_up and w1 are descriptors, blocks (BLOCK_M, BLOCK_K) and (1, BLOCK_K, BLOCK_N)."""
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
                                                BLOCK_M, BLOCK_N, GROUP_M)
