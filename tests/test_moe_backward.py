@@ -157,6 +157,23 @@ def test_gpt_oss_experts_gradients(device, poisoned, transposed, interleaved):  
         assert max(errors.values()) < 1e-5, errors
 
 
+def test_gpt_oss_experts_gradients_for_one_token_and_none(device, poisoned):  # noqa: F811
+    """One token (its second slot dropped), and no token at all: zero weight gradients, written in
+    the parameters' layout too."""
+    gpt_oss_gradient_check(device, 1, 8, 2, 48, 32, torch.float32, atol=1e-6 if device.type == "cpu" else 5e-3)
+    E, k, H, I = 8, 2, 48, 32
+    gate_up_proj = torch.randn(E, H, 2 * I, device=device, requires_grad=True)
+    down_proj = torch.randn(E, I, H, device=device, requires_grad=True)
+    x = torch.randn(0, H, device=device, requires_grad=True)
+    weights, ids = torch.rand(0, k, device=device), torch.zeros(0, k, dtype=torch.int64, device=device)
+    out = fused_experts(x, gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2), weights, ids,
+                        activation="swiglu_oai", gate_up_interleaved=True)
+    assert out.shape == (0, H)
+    grads = torch.autograd.grad(out.sum(), (gate_up_proj, down_proj))
+    for g, w in zip(grads, (gate_up_proj, down_proj)):
+        assert g.stride() == w.stride() and torch.all(g == 0)
+
+
 def test_idle_experts_and_one_expert_for_every_token(device, poisoned):  # noqa: F811
     """Every token routed to expert 2 (top-1): the other experts' weight gradients are exactly zero;
     and a logit bias that makes expert 5 everyone's first choice (heavy imbalance, top-2)."""

@@ -231,6 +231,7 @@ def _release_memory(gpu: bool) -> None:
 
 def run(args) -> dict:
     import transformers
+    from torch._dynamo.utils import counters
 
     from ..integrations.transformers import register
 
@@ -272,9 +273,12 @@ def run(args) -> dict:
                     # Each model compiles from scratch: the compiled step's code is shared by every model,
                     # and guards piling up from earlier ones would reach dynamo's recompile limit (eager).
                     torch._dynamo.reset()
+                    counters.clear()
                     model.eval()
                     row.update(_decode({impl: model}, new_tokens, config.vocab_size, device, repeats,
                                        cache="static")[impl])
+                    # what the CUDA graphs cost beyond their kernels: skipped graphs, inputs copied in per replay
+                    row["cudagraph_counters"] = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
                 else:
                     row.update(_measure(model, batch, seqlen, config.vocab_size, device, repeats,
                                         profile=args.profile))
