@@ -255,9 +255,13 @@ def moe_cases(draw):
     E = draw(st.sampled_from([1, 2, 4, 8]))
     return dict(T=draw(st.integers(0, 40)), E=E, top_k=draw(st.integers(1, min(E, 3))),
                 H=draw(st.sampled_from([16, 32, 48])), I=draw(st.sampled_from([16, 32])),
-                dtype=draw(st.sampled_from(DTYPES)), activation=draw(st.sampled_from(["silu", "gelu"])),
+                dtype=draw(st.sampled_from(DTYPES)),
+                activation=draw(st.sampled_from(["silu", "gelu", "swiglu_oai"])),
                 routing=draw(st.sampled_from(["random", "one_expert", "skewed", "dropped"])),
-                id_dtype=draw(st.sampled_from([torch.int32, torch.int64])))
+                id_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+                # gpt-oss's form, in any combination: weights stored transposed (passed as views),
+                # gate/up rows interleaved, expert biases
+                transposed=draw(st.booleans()), interleaved=draw(st.booleans()), biases=draw(st.booleans()))
 
 
 @given(moe_cases())
@@ -267,6 +271,8 @@ def test_moe_experts_match_reference_on_any_routing(case):
     x = torch.randn(T, c["H"], device=DEVICE)
     w1 = torch.randn(E, 2 * c["I"], c["H"], device=DEVICE) / math.sqrt(c["H"])
     w2 = torch.randn(E, c["H"], c["I"], device=DEVICE) / math.sqrt(c["I"])
+    if c["activation"] == "swiglu_oai":  # pre-activations past its clamps too
+        w1 = w1 * 4
     ids = torch.stack([torch.randperm(E, device=DEVICE)[:k] for _ in range(T)]) if T else torch.empty(
         0, k, dtype=torch.int64, device=DEVICE)
     if c["routing"] == "one_expert":
@@ -279,18 +285,30 @@ def test_moe_experts_match_reference_on_any_routing(case):
         ids[torch.rand(T, k, device=DEVICE) < 0.3] = E + 7
     ids = ids.to(c["id_dtype"])
     weights = torch.rand(T, k, device=DEVICE)
+    if c["transposed"]:  # stored (E, H, 2I) and (E, I, H): the leaves, passed as (E, 2I, H) and (E, H, I) views
+        w1, w2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w1, w2))
     leaves = [t.to(c["dtype"]).requires_grad_() for t in (x, w1, w2)] + [weights.requires_grad_()]
-    out = fused_experts(*leaves, ids, activation=c["activation"])
+    if c["biases"]:
+        leaves += [torch.randn(E, 2 * c["I"], device=DEVICE).to(c["dtype"]).requires_grad_(),
+                   torch.randn(E, c["H"], device=DEVICE).to(c["dtype"]).requires_grad_()]
+
+    def call(fn, tensors, ids):
+        biases = dict(w1_bias=tensors[4], w2_bias=tensors[5]) if c["biases"] else {}
+        return fn(*tensors[:4], ids, activation=c["activation"], gate_up_interleaved=c["interleaved"], **biases)
+
+    out = call(fused_experts, leaves, ids)
     assert out.shape == (T, c["H"]) and out.dtype == c["dtype"]
     kept = torch.where((ids >= 0) & (ids < E), ids.long(), -1)
     xs64 = [t.detach().double().requires_grad_() for t in leaves]
-    ref = fused_experts_torch(*xs64, kept, activation=c["activation"])
+    ref = call(fused_experts_torch, xs64, kept)
     xs = [t.detach().clone().requires_grad_() for t in leaves]
-    theirs = fused_experts_torch(*xs, kept, activation=c["activation"])
+    theirs = call(fused_experts_torch, xs, kept)
     assert_within_pytorch("out", out.detach(), theirs.detach(), ref.detach(), c["dtype"])
     if T:
         grad_out = torch.randn(T, c["H"], device=DEVICE)
         ours = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+        # the weights' gradients in their parameters' layout (a transposed view's: no copy)
+        assert ours[1].stride() == leaves[1].stride() and ours[2].stride() == leaves[2].stride()
         def grads_of(out, inputs, grad):  # every slot dropped: the loop reference never touches an input
             if not out.requires_grad:
                 return [torch.zeros_like(t) for t in inputs]
@@ -300,9 +318,10 @@ def test_moe_experts_match_reference_on_any_routing(case):
         refs = grads_of(ref, xs64, grad_out.double())
         pytorch = grads_of(theirs, xs, grad_out.to(theirs.dtype))
         # d weights[t, j] = grad_out[t] . y[t, j]: H terms of the size of an expert's output y.
-        y_size = _rms(fused_experts_torch(*xs64[:3], torch.ones_like(xs64[3]), kept)) / math.sqrt(k)
-        terms = (0.0, 0.0, 0.0, math.sqrt(c["H"]) * _rms(grad_out) * y_size)
-        # The resolution is the compute dtype's for all four: d weights sums the expert outputs,
-        # which both sides hold in that dtype.
-        for name, a, b, r, t in zip(("dx", "dw1", "dw2", "dweights"), ours, pytorch, refs, terms):
+        y_size = _rms(call(fused_experts_torch, [*xs64[:3], torch.ones_like(xs64[3]), *xs64[4:]], kept)) / math.sqrt(k)
+        terms = (0.0, 0.0, 0.0, math.sqrt(c["H"]) * _rms(grad_out) * y_size, 0.0, 0.0)
+        # The resolution is the compute dtype's for all: d weights sums the expert outputs, which
+        # both sides hold in that dtype.
+        names = ("dx", "dw1", "dw2", "dweights", "dw1_bias", "dw2_bias")
+        for name, a, b, r, t in zip(names, ours, pytorch, refs, terms):
             assert_within_pytorch(name, a, b, r, c["dtype"], t)
