@@ -38,7 +38,34 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
         n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
         qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=128, initializer_range=0.2),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=128, initializer_range=0.2),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                                                   num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                                                   first_k_dense_replace=1, **_COMMON),
+    "granitemoe": lambda: transformers.GraniteMoeConfig(intermediate_size=32, num_local_experts=4,
+                                                        num_experts_per_tok=2,
+                                                        **{k: v for k, v in _COMMON.items() if k != "head_dim"}),
+    # gated delta-net layers (transformers' PyTorch fallback) with full attention every 4th layer
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, **{**_COMMON, "num_hidden_layers": 4}),
+    "minimax": lambda: transformers.MiniMaxConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                                  **_COMMON),
+    "phimoe": lambda: transformers.PhimoeConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                                **{k: v for k, v in _COMMON.items() if k != "head_dim"}),
+    "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                                            moe_num_experts=4, moe_k=2, **_COMMON),
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(intermediate_size=32, num_experts=4, moe_topk=2,
+                                                              **_COMMON),
 }
+# Families whose router draws random numbers in training mode (PhiMoE's jitter and sparsemixer
+# sampling): compared in eval mode, where it is deterministic.
+RANDOM_IN_TRAINING = {"phimoe"}
 
 
 def models(family, attn="fms", experts="fms"):
@@ -62,6 +89,8 @@ def rel(a, b):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_and_gradients_match_eager(family):
     eager, ours = models(family)
+    if family in RANDOM_IN_TRAINING:
+        eager.eval(), ours.eval()
     ids = torch.randint(0, 96, (2, 24), device=DEVICE)
     clear_records()
     out = ours(ids, labels=ids)
