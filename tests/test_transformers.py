@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,42 +129,61 @@ def test_greedy_generation_gives_eager_tokens(family):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_generation_of_a_left_padded_batch_gives_eager_logits(cache):
-    """Every step's logits of greedy decoding, left padding in the batch. A static cache hands the
-    attention all its slots (the unfilled ones too) with a padding mask as long as the tokens so far."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_generation_gives_eager_logits(cache, padded):
+    """Every step's logits of greedy decoding, of a left-padded batch or of one sequence given no
+    mask. A static cache hands the attention all its slots, the unfilled ones too, with a padding
+    mask as long as the tokens so far or (transformers 5.2x, no padding) none; the last step fills
+    the cache."""
     eager, ours = models("qwen3_moe")
-    prompt = torch.randint(0, 96, (2, 6), device=DEVICE)
-    mask = torch.ones_like(prompt)
-    mask[0, :2] = 0
-    options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation=cache,
-                   return_dict_in_generate=True, output_logits=True)
+    prompt, options = _prompt(padded)
+    options.update(max_new_tokens=5, do_sample=False, cache_implementation=cache, return_dict_in_generate=True,
+                   output_logits=True)
     clear_records()
     out, ref = ours.generate(prompt, **options), eager.generate(prompt, **options)
-    assert last_launch("attention_decode_split") is not None  # the decode steps: the KV-cache kernels
+    if padded or cache == "static":  # the decode steps: the KV-cache kernels (one sequence of 6 to 10
+        # keys and a dynamic cache: the dense kernels, `configs.takes_decode`)
+        assert last_launch("attention_decode_split") is not None
     assert torch.equal(out.sequences, ref.sequences)
     for step, (logits, ref_logits) in enumerate(zip(out.logits, ref.logits)):
         assert rel(logits, ref_logits) < 1e-5, step
 
 
+def _prompt(padded: bool):
+    """(prompt, generate's options): two sequences of 6 tokens, the first left-padded by 2, or one
+    sequence and no mask."""
+    if not padded:
+        return torch.randint(0, 96, (1, 6), device=DEVICE), {}
+    prompt = torch.randint(0, 96, (2, 6), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    return prompt, dict(attention_mask=mask)
+
+
 def test_static_cache_mask_has_one_shape_for_the_whole_generation():
-    """Our mask function: flash-attn's masks with a dynamic cache (None when nothing is padded);
-    with a static cache (a padding mask shorter than the keys) one (B, 2, cache length) shape
-    whatever the step, holding the mask and the filled slots, and returned as it is when asked
-    again (transformers asks once before the compiled step and once inside it)."""
+    """Our mask function, called with the sizes transformers passes: flash-attn's masks with a
+    dynamic cache (None when nothing is padded); with a static cache (its layer's offset a tensor,
+    or fewer tokens so far than key slots) one (B, 2, cache length) shape whatever the step, the
+    full cache and no mask at all included, holding the mask and the filled slots, and returned as
+    it is when asked again (transformers asks once before the compiled step and once inside it)."""
     from flashmoe_science.integrations.transformers import fms_attention_mask
 
     full = torch.ones(2, 12, dtype=torch.bool)
-    assert fms_attention_mask(2, 1, 12, attention_mask=full) is None
+    assert fms_attention_mask(2, 1, 12, q_offset=11, attention_mask=full) is None
     padded = full.clone()
     padded[0, :3] = False
-    assert torch.equal(fms_attention_mask(2, 1, 12, attention_mask=padded), padded)
-    for filled in (6, 7, 11):
-        mask = padded[:, :filled]
-        static = fms_attention_mask(2, 1, 12, attention_mask=mask)
-        assert static.shape == (2, 2, 12) and static.dtype == torch.bool
-        assert torch.equal(static[:, 0, :filled], mask) and not static[:, 0, filled:].any()
-        assert torch.equal(static[:, 1], (torch.arange(12) < filled).expand(2, -1))
-        assert fms_attention_mask(2, 1, 12, attention_mask=static) is static
+    assert torch.equal(fms_attention_mask(2, 1, 12, q_offset=11, attention_mask=padded), padded)
+    slots = torch.arange(12)
+    for filled in (6, 7, 11, 12):
+        for mask in (padded[:, :filled], None):
+            static = fms_attention_mask(2, 1, 12, q_offset=torch.tensor(filled - 1), attention_mask=mask)
+            assert static.shape == (2, 2, 12) and static.dtype == torch.bool
+            expected = (slots < filled).expand(2, -1)
+            assert torch.equal(static[:, 0], expected if mask is None else expected & F.pad(mask, (0, 12 - filled)))
+            assert torch.equal(static[:, 1], expected)
+            assert fms_attention_mask(2, 1, 12, q_offset=torch.tensor(filled), attention_mask=static) is static
+    prompt = fms_attention_mask(2, 6, 12, q_offset=0, attention_mask=None, device=torch.device("cpu"))  # prefill
+    assert torch.equal(prompt, (slots < 6).expand(2, 2, -1))
 
 
 @pytest.mark.parametrize("form", ["short", "static"])
@@ -275,15 +295,14 @@ def test_gpt_oss_gate_at_other_constants_falls_back_naming_them(monkeypatch):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_gpt_oss_generation_of_a_left_padded_batch_gives_eager_logits(cache):
+@pytest.mark.parametrize("padded", [True, False])
+def test_gpt_oss_generation_gives_eager_logits(cache, padded):
     """Sinks through every attention path: the prompt as packed sequences, the decode steps
-    through the KV-cache kernels, on a left-padded batch."""
+    through the KV-cache kernels, on a left-padded batch or one sequence; sliding layers too."""
     eager, ours = gpt_oss_models()
-    prompt = torch.randint(0, 96, (2, 6), device=DEVICE)
-    mask = torch.ones_like(prompt)
-    mask[0, :2] = 0
-    options = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation=cache,
-                   return_dict_in_generate=True, output_logits=True)
+    prompt, options = _prompt(padded)
+    options.update(max_new_tokens=4, do_sample=False, cache_implementation=cache, return_dict_in_generate=True,
+                   output_logits=True)
     out, ref = ours.generate(prompt, **options), eager.generate(prompt, **options)
     assert torch.equal(out.sequences, ref.sequences)
     for step, (logits, ref_logits) in enumerate(zip(out.logits, ref.logits)):

@@ -16,10 +16,11 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
   slot. Attention sinks (gpt-oss's, one logit per head) scale each row by sigmoid(lse - sink).
   Dropout in training and dense masks raise a clear error.
 - Mask (`fms_attention_mask`): `flash_attention_mask`'s, except with a static cache: there the
-  padding mask covers the tokens so far, one longer each step, and a mask whose shape changed
-  every step would make torch.compile record a new CUDA graph for each. It becomes a (B, 2,
-  cache length) bool tensor instead, [padding mask padded with False; which slots are filled],
-  one shape for the whole generation (`static_cache_mask`).
+  keys include unfilled slots, and the padding mask covers the tokens so far, one longer each
+  step, or is absent (transformers 5.2x, no padding); a mask whose shape changed every step, or
+  from a tensor to None once the cache fills, would make torch.compile record new CUDA graphs.
+  It becomes a (B, 2, cache length) bool tensor instead, [padding mask padded with False; which
+  slots are filled], one shape for the whole generation (`static_cache_mask`).
 - Experts (`fms_experts_forward`): `fused_experts` on the module's own `gate_up_proj` (E, 2I, H:
   gate rows then up rows) and `down_proj` (E, H, I), forward and backward, with the model's
   router (its top-k ids and weights). gpt-oss's experts (weights stored transposed, gate and up
@@ -65,19 +66,31 @@ def register() -> None:
 
 def fms_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                        attention_mask=None, **kwargs):
-    """transformers' mask function for "fms": None or the 2-D padding mask, as for flash-attn; with
-    a static cache (a padding mask shorter than the keys) the fixed-shape `static_cache_mask`. A
-    mask already in that form (transformers makes the mask before the compiled step, and the step
-    asks again) comes back as it is."""
+    """transformers' mask function for "fms": None or the 2-D padding mask, as for flash-attn, where
+    every key slot holds a token; the fixed-shape `static_cache_mask` where a static cache hands
+    the attention slots that may be unfilled. A static cache is seen from the sizes transformers
+    passes: its layer's offset is a device tensor (`StaticLayer`, compiled steps read no host
+    value), or the tokens so far (`q_offset + q_length`) fall short of its `kv_length`. Its mask is
+    the padding mask if there is one (as long as the tokens so far), else every token so far; so
+    one shape for the whole generation, full cache included, and no host read. A mask already in
+    that form (transformers makes the mask before the compiled step, and the step asks again)
+    comes back as it is."""
     from transformers.masking_utils import flash_attention_mask
 
     if attention_mask is not None and attention_mask.dim() == 3:
         return attention_mask
-    mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                                **kwargs)
-    if mask is None or mask.shape[1] >= kv_length:
-        return mask
-    return static_cache_mask(mask, kv_length)
+    if not isinstance(q_offset, torch.Tensor) and not (kv_offset == 0 and q_offset + q_length < kv_length):
+        mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                    attention_mask, **kwargs)
+        if mask is None or mask.shape[1] >= kv_length:
+            return mask
+        return static_cache_mask(mask, kv_length)
+    if attention_mask is not None:
+        return static_cache_mask(attention_mask.to(torch.bool), kv_length)
+    device = q_offset.device if isinstance(q_offset, torch.Tensor) else kwargs.get("device")
+    filled = q_offset + q_length
+    slots = torch.arange(kv_length, device=device) < filled
+    return slots.expand(batch_size, 2, kv_length)
 
 
 def static_cache_mask(mask: torch.Tensor, cache_length: int) -> torch.Tensor:
