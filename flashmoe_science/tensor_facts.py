@@ -4,7 +4,10 @@ Reading values (cumulative lengths, FP8 scales) synchronises with the GPU, so ea
 once. Its facts are kept under the tensor itself: its id with a weak reference to it, so that a
 new tensor with a recycled id or storage address is read afresh, and its version counter, so that
 one written in place is too. Tensors without a version counter (made under inference mode) are
-read every time.
+read every time. Facts go when their tensor does: a fact that is itself a device tensor (the
+packed kernels' sequence order) must not outlive the batch it describes, or every call would
+leave GPU memory held, and the caching allocator would hand the next call's tensors other
+addresses (a static KV cache at a new address makes torch.compile's CUDA graphs record again).
 """
 from __future__ import annotations
 
@@ -44,4 +47,12 @@ class TensorFacts:
             return
         if len(self._facts) >= self._max_entries:
             self._facts.clear()
-        self._facts[tuple(map(id, tensors))] = (tuple(map(weakref.ref, tensors)), versions, facts)
+        key = tuple(map(id, tensors))
+        facts_by_key = self._facts
+
+        def forget(dead):
+            entry = facts_by_key.get(key)
+            if entry is not None and any(ref is dead for ref in entry[0]):
+                del facts_by_key[key]
+
+        self._facts[key] = (tuple(weakref.ref(t, forget) for t in tensors), versions, facts)

@@ -537,3 +537,27 @@ def test_tensor_facts_follow_the_tensor_not_its_address():
         e = torch.zeros(2)
     facts.remember("never", e)
     assert facts.get(e) is None
+
+
+def test_tensor_facts_leave_with_their_tensors():
+    """A fact, which may itself be a device tensor (the packed kernels' sequence order), is freed
+    with the tensors it describes, not kept until the table fills: otherwise each packed call
+    would leave memory held and move later allocations (a static KV cache at a new address makes
+    torch.compile's CUDA graphs record again)."""
+    import gc
+    import weakref
+
+    from flashmoe_science.tensor_facts import TensorFacts
+
+    facts = TensorFacts(max_entries=64)
+    c, d = torch.zeros(3), torch.ones(3)
+    order = torch.arange(3)
+    facts.remember(order, c, d)
+    kept = weakref.ref(order)
+    del order
+    assert kept() is not None
+    del d
+    gc.collect()
+    assert kept() is None and facts.get(c) is None
+    facts.remember("c's", c)
+    assert facts.get(c) == "c's"
