@@ -149,6 +149,20 @@ def test_generation_gives_eager_logits(cache, padded):
         assert rel(logits, ref_logits) < 1e-5, step
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_moe"])
+def test_every_family_generates_eager_logits_with_a_static_cache(family):
+    """One sequence with no mask and a static cache, each family: the attention gets every slot of
+    the cache, the unfilled ones too, and must be told which hold tokens (transformers 5.2x
+    passes no mask there)."""
+    eager, ours = (m.eval() for m in models(family))
+    prompt, options = _prompt(padded=False)
+    options.update(max_new_tokens=3, do_sample=False, cache_implementation="static", return_dict_in_generate=True,
+                   output_logits=True)
+    out, ref = ours.generate(prompt, **options), eager.generate(prompt, **options)
+    for step, (logits, ref_logits) in enumerate(zip(out.logits, ref.logits)):
+        assert rel(logits, ref_logits) < 1e-5, step
+
+
 def _prompt(padded: bool):
     """(prompt, generate's options): two sequences of 6 tokens, the first left-padded by 2, or one
     sequence and no mask."""
