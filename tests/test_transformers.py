@@ -120,6 +120,33 @@ def test_padded_batches_go_through_packed_sequences(family):
     assert rel(logits[valid], ref[valid]) < 1e-5
 
 
+def test_a_padding_mask_is_read_once_a_forward_not_once_a_layer(monkeypatch):
+    """Packing a padded batch and checking a left-padded one read the mask back to the host (a
+    sync): done once per mask, which every layer of a forward shares, with every layer still
+    matching eager."""
+    from flashmoe_science.integrations import transformers as integration
+
+    found = {"packing": 0, "left padding": 0}
+    for name, what in (("_packing", "packing"), ("_left_padding", "left padding")):
+        def counted(*args, _find=getattr(integration, name), _what=what):
+            found[_what] += 1
+            return _find(*args)
+        monkeypatch.setattr(integration, name, counted)
+    eager, ours = models("qwen3_moe")
+    ids = torch.randint(0, 96, (3, 20), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    mask[2, 15:] = 0
+    valid = mask.bool()
+    assert rel(ours(ids, attention_mask=mask).logits[valid], eager(ids, attention_mask=mask).logits[valid]) < 1e-5
+    assert found == {"packing": 1, "left padding": 0}  # two layers, one reading
+    prompt, options = _prompt(padded=True)
+    options.update(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    out, ref = ours.generate(prompt, **options), eager.generate(prompt, **options)
+    assert all(rel(a, b) < 1e-5 for a, b in zip(out.logits, ref.logits))
+    assert found == {"packing": 1, "left padding": 4}  # the prompt and each of 3 decode steps: one reading
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_greedy_generation_gives_eager_tokens(family):
     eager, ours = models(family)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..attention import flash_attention_science, flash_attention_varlen, flash_attention_with_kvcache
 from ..attention.configs import DECODE_MAX_BLOCK_M
 from ..moe import fused_experts
+from ..tensor_facts import TensorFacts
 
 NAME = "fms"
 # transformers' activation names our gated kernels compute, by our name for them.
@@ -176,6 +177,21 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
             or value.shape[-1] != dim  # the KV-cache kernels take one head dim
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))):
         return None
+    compiling = torch.compiler.is_compiling()
+    found = _mask_facts(mask, "left padding", seqlen_q, seqlen_k,
+                        lambda: _left_padding(mask, seqlen_q, seqlen_k, compiling))
+    if found is None:
+        return None
+    filled, leftpad = found
+    out = flash_attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                       cache_seqlens=filled, cache_leftpad=leftpad, causal=True, **options)
+    return (out[0], out[1].transpose(1, 2)) if options.get("return_lse") else out
+
+
+def _left_padding(mask, seqlen_q: int, seqlen_k: int, compiling: bool):
+    """(filled, leftpad) of a left-padded mask (`_left_padded_short_queries`), or None (eager) if
+    some sequence's mask has a hole. Under torch.compile nothing is read back: such a sequence gets
+    a start out of range, which makes its outputs NaN (visible), never another sequence's attention."""
     mask, filled, _ = _split_mask(mask, seqlen_q, seqlen_k)  # a static cache: slots past `filled` are unfilled
     leftpad = filled - mask.sum(1, dtype=torch.int32)
     slots = torch.arange(mask.shape[1], device=mask.device)
@@ -183,15 +199,29 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
     if isinstance(filled, torch.Tensor):
         started = started & (slots < filled[:, None])
     left_padding = (mask == started).all(1)
+    if compiling:
+        return filled, torch.where(left_padding, leftpad, -1)
+    return (filled, leftpad) if bool(left_padding.all()) else None
+
+
+# What a padding mask says about its batch (where each sequence starts; which tokens to pack),
+# found once per mask tensor: transformers hands every layer of a forward the same mask, and
+# finding it reads values back to the host (a sync), so it is read once a forward, not once a
+# layer. Kept as `tensor_facts` says (gone with the mask, or when it is written in place); not
+# under torch.compile, which traces the finding into its graph.
+_MASK_FACTS = TensorFacts(max_entries=16)
+
+
+def _mask_facts(mask, what: str, seqlen_q: int, seqlen_k: int, find):
+    """`find()`, remembered for `mask` under (what, seqlen_q, seqlen_k)."""
     if torch.compiler.is_compiling():
-        # Nothing read back under torch.compile: a sequence whose mask has a hole gets a start out of
-        # range, which makes its outputs NaN (visible), never another sequence's attention.
-        leftpad = torch.where(left_padding, leftpad, -1)
-    elif not bool(left_padding.all()):
-        return None
-    out = flash_attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                       cache_seqlens=filled, cache_leftpad=leftpad, causal=True, **options)
-    return (out[0], out[1].transpose(1, 2)) if options.get("return_lse") else out
+        return find()
+    known = _MASK_FACTS.get(mask) or {}
+    key = (what, seqlen_q, seqlen_k)
+    if key not in known:
+        known = {**known, key: find()}
+        _MASK_FACTS.remember(known, mask)
+    return known[key]
 
 
 def _padded_attention(query, key, value, mask, causal, options):
@@ -200,15 +230,8 @@ def _padded_attention(query, key, value, mask, causal, options):
     outputs of padding queries are 0. Keys past the filled slots (a static cache) are unfilled."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k, dim_v = key.shape[2], value.shape[-1]
-    mask, _, q_mask = _split_mask(mask, seqlen_q, seqlen_k)
-    if mask.shape[1] < seqlen_k:
-        mask = F.pad(mask, (0, seqlen_k - mask.shape[1]), value=False)
-    k_index = mask.flatten().nonzero().squeeze(1)
-    q_index = q_mask.flatten().nonzero().squeeze(1)
-    lengths_k, lengths_q = mask.sum(1, dtype=torch.int32), q_mask.sum(1, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32, device=query.device)
-    cu_k = torch.cat([zero, lengths_k.cumsum(0, dtype=torch.int32)])
-    cu_q = torch.cat([zero, lengths_q.cumsum(0, dtype=torch.int32)])
+    k_index, q_index, cu_k, cu_q = _mask_facts(mask, "packing", seqlen_q, seqlen_k,
+                                               lambda: _packing(mask, seqlen_q, seqlen_k))
     q = query.transpose(1, 2).reshape(batch * seqlen_q, heads_q, dim)[q_index]
     k = key.transpose(1, 2).reshape(batch * seqlen_k, key.shape[1], dim)[k_index]
     v = value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], dim_v)[k_index]
@@ -220,6 +243,17 @@ def _padded_attention(query, key, value, mask, causal, options):
         return full
     full_lse = lse.new_full((batch * seqlen_q, heads_q), float("-inf")).index_copy(0, q_index, lse.transpose(0, 1))
     return full, full_lse.view(batch, seqlen_q, heads_q)
+
+
+def _packing(mask, seqlen_q: int, seqlen_k: int):
+    """(k_index, q_index, cu_seqlens_k, cu_seqlens_q) that pack a padded batch's tokens
+    (`_padded_attention`)."""
+    mask, _, q_mask = _split_mask(mask, seqlen_q, seqlen_k)
+    if mask.shape[1] < seqlen_k:
+        mask = F.pad(mask, (0, seqlen_k - mask.shape[1]), value=False)
+    zero = torch.zeros(1, dtype=torch.int32, device=mask.device)
+    cu = [torch.cat([zero, m.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)]) for m in (mask, q_mask)]
+    return mask.flatten().nonzero().squeeze(1), q_mask.flatten().nonzero().squeeze(1), *cu
 
 
 def _gpt_oss_gate(module) -> str | None:
