@@ -160,7 +160,7 @@ def test_greedy_generation_gives_eager_tokens(family):
 def test_generation_gives_eager_logits(cache, padded):
     """Every step's logits of greedy decoding, of a left-padded batch or of one sequence given no
     mask. A static cache hands the attention all its slots, the unfilled ones too, with a padding
-    mask as long as the tokens so far or (transformers 5.2x, no padding) none; the last step fills
+    mask as long as the tokens so far or (transformers 5.24, nothing padded) none; the last step fills
     the cache."""
     eager, ours = models("qwen3_moe")
     prompt, options = _prompt(padded)
@@ -179,7 +179,7 @@ def test_generation_gives_eager_logits(cache, padded):
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_moe"])
 def test_every_family_generates_eager_logits_with_a_static_cache(family):
     """One sequence with no mask and a static cache, each family: the attention gets every slot of
-    the cache, the unfilled ones too, and must be told which hold tokens (transformers 5.2x
+    the cache, the unfilled ones too, and must be told which hold tokens (transformers 5.24
     passes no mask there)."""
     eager, ours = (m.eval() for m in models(family))
     prompt, options = _prompt(padded=False)

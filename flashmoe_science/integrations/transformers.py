@@ -17,7 +17,7 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
   Dropout in training and dense masks raise a clear error.
 - Mask (`fms_attention_mask`): `flash_attention_mask`'s, except with a static cache: there the
   keys include unfilled slots, and the padding mask covers the tokens so far, one longer each
-  step, or is absent (transformers 5.2x, no padding); a mask whose shape changed every step, or
+  step, or is absent (transformers 5.24, nothing padded); a mask whose shape changed every step, or
   from a tensor to None once the cache fills, would make torch.compile record new CUDA graphs.
   It becomes a (B, 2, cache length) bool tensor instead, [padding mask padded with False; which
   slots are filled], one shape for the whole generation (`static_cache_mask`).
@@ -177,9 +177,7 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
             or value.shape[-1] != dim  # the KV-cache kernels take one head dim
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))):
         return None
-    compiling = torch.compiler.is_compiling()
-    found = _mask_facts(mask, "left padding", seqlen_q, seqlen_k,
-                        lambda: _left_padding(mask, seqlen_q, seqlen_k, compiling))
+    found = _mask_facts(mask, "left padding", seqlen_q, seqlen_k, lambda: _left_padding(mask, seqlen_q, seqlen_k))
     if found is None:
         return None
     filled, leftpad = found
@@ -188,7 +186,7 @@ def _left_padded_short_queries(query, key, value, mask, causal, options):
     return (out[0], out[1].transpose(1, 2)) if options.get("return_lse") else out
 
 
-def _left_padding(mask, seqlen_q: int, seqlen_k: int, compiling: bool):
+def _left_padding(mask, seqlen_q: int, seqlen_k: int):
     """(filled, leftpad) of a left-padded mask (`_left_padded_short_queries`), or None (eager) if
     some sequence's mask has a hole. Under torch.compile nothing is read back: such a sequence gets
     a start out of range, which makes its outputs NaN (visible), never another sequence's attention."""
@@ -199,7 +197,7 @@ def _left_padding(mask, seqlen_q: int, seqlen_k: int, compiling: bool):
     if isinstance(filled, torch.Tensor):
         started = started & (slots < filled[:, None])
     left_padding = (mask == started).all(1)
-    if compiling:
+    if torch.compiler.is_compiling():
         return filled, torch.where(left_padding, leftpad, -1)
     return (filled, leftpad) if bool(left_padding.all()) else None
 
