@@ -147,6 +147,54 @@ def test_a_padding_mask_is_read_once_a_forward_not_once_a_layer(monkeypatch):
     assert found == {"packing": 1, "left padding": 4}  # the prompt and each of 3 decode steps: one reading
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_rows_packed_by_position_ids_attend_within_each_sequence(family):
+    """Padding-free training (transformers' DataCollatorWithFlattening): sequences packed into rows
+    with no mask, told apart by position ids that start again: each attends to itself only, as
+    transformers' eager masks cut them (logits and every gradient) and as each run alone; the
+    same with flash-attn's cu_seq_lens / max_length arguments."""
+    eager, ours = models(family)
+    ids = torch.randint(0, 96, (2, 12), device=DEVICE)
+    positions = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]), torch.arange(12)]).to(DEVICE)
+    clear_records()
+    out = ours(ids, position_ids=positions, labels=ids, use_cache=False)
+    assert last_launch("attention_forward").constexprs["VARLEN"] is True
+    ref = eager(ids, position_ids=positions, labels=ids, use_cache=False)
+    alone = [eager(ids[:1, :5], use_cache=False).logits, eager(ids[:1, 5:], use_cache=False).logits,
+             eager(ids[1:], use_cache=False).logits]
+    assert rel(out.logits, ref.logits) < 1e-5
+    assert rel(out.logits, torch.cat([torch.cat(alone[:2], 1), alone[2]])) < 1e-5
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), (_, p_ref) in zip(ours.named_parameters(), eager.named_parameters()):
+        if p_ref.grad is not None and p_ref.grad.norm() > 0:
+            assert rel(p.grad, p_ref.grad) < 1e-4, name
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    flash_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    with torch.no_grad():
+        logits = ours(ids[:1], position_ids=positions[:1], use_cache=False, **flash_kwargs).logits
+    assert rel(logits, torch.cat(alone[:2], 1)) < 1e-5
+
+
+def test_compiled_rows_packed_by_position_ids_come_out_nan():
+    """Under torch.compile position ids are not read back: a row of packed sequences comes out NaN
+    (visible) rather than attending across them; rows of one sequence are unchanged."""
+    from flashmoe_science.integrations.transformers import fms_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    query, key, value = (torch.randn(2, 2, 8, 16, device=DEVICE) for _ in range(3))
+    positions = torch.stack([torch.arange(8), torch.cat([torch.arange(3), torch.arange(5)])]).to(DEVICE)
+
+    def attention(query, key, value, positions):
+        return fms_attention_forward(module, query, key, value, None, position_ids=positions)[0]
+
+    out = torch.compile(attention, fullgraph=True, backend="aot_eager")(query, key, value, positions)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+    dense = fms_attention_forward(module, query, key, value, None)[0]
+    assert torch.equal(out[0], dense[0])
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_greedy_generation_gives_eager_tokens(family):
     eager, ours = models(family)

@@ -9,7 +9,9 @@ treats any such attention name as a flash-attn kernel to fetch from its hub.
 - Attention (`fms_attention_forward`): query, key, value (B, H, S, D) as transformers passes
   them, GQA without repeating K and V; causal (bottom-right) and sliding windows without a dense
   mask; a padded batch (the 2-D padding mask `flash_attention_mask` leaves when some token is
-  padding) through `flash_attention_varlen` on the unpadded tokens; decoding with the cache (one
+  padding) through `flash_attention_varlen` on the unpadded tokens, as are rows that pack several
+  sequences with no mask (padding-free training: position ids that start again, or flash-attn's
+  `cu_seq_lens_q/k` arguments); decoding with the cache (one
   query against the cached keys) through the split-KV kernels that `flash_attention_science`
   picks for short queries, and for a left-padded batch or a static cache
   `flash_attention_with_kvcache` on the keys in place, each sequence from its first unpadded
@@ -137,21 +139,96 @@ def fms_attention_forward(module, query, key, value, attention_mask, scaling=Non
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
     options = dict(softmax_scale=scaling, window_size=window, softcap=float(softcap or 0.0), return_lse=sinks is not None)
     if attention_mask is None:
-        out = flash_attention_science(query, key, value, causal, **options)
-        if sinks is not None:
-            out, lse = out
-            return _with_sinks(out.transpose(1, 2), lse.transpose(1, 2), sinks), None
-        return out.transpose(1, 2), None
-    if attention_mask.dim() not in (2, 3) or attention_mask.dtype != torch.bool:
-        raise _unsupported(f"a {attention_mask.dim()}-D {attention_mask.dtype} attention mask (only the padding "
-                           f"masks of its '{NAME}' mask function)")
-    out = _left_padded_short_queries(query, key, value, attention_mask, causal, options)
-    if out is None:
-        out = _padded_attention(query, key, value, attention_mask, causal, options)
+        sequences = _packed_sequences(query, key, kwargs)
+        if sequences is not None:
+            out = _sequences_attention(query, key, value, sequences, causal, options)
+        else:
+            out = flash_attention_science(query, key, value, causal, **options)
+            out = tuple(t.transpose(1, 2) for t in out) if sinks is not None else out.transpose(1, 2)
+            if torch.compiler.is_compiling():
+                out = _poisoned_if_packed(out, query, key, kwargs)
+    else:
+        if attention_mask.dim() not in (2, 3) or attention_mask.dtype != torch.bool:
+            raise _unsupported(f"a {attention_mask.dim()}-D {attention_mask.dtype} attention mask (only the padding "
+                               f"masks of its '{NAME}' mask function)")
+        out = _left_padded_short_queries(query, key, value, attention_mask, causal, options)
+        if out is None:
+            out = _padded_attention(query, key, value, attention_mask, causal, options)
     if sinks is not None:
         out, lse = out
         return _with_sinks(out, lse, sinks), None
     return out, None
+
+
+def _packed_sequences(query, key, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of several sequences packed into a
+    row with no padding mask (padding-free training: transformers' DataCollatorWithFlattening),
+    or None for one sequence a row. From flash-attn's `cu_seq_lens_q/k` and `max_length_q/k`
+    where the caller passes them; else from `position_ids` without a cache (queries and keys the
+    same tokens), a sequence starting wherever a position does not follow the one before, as
+    transformers' own masks for eager and SDPA attention cut them. Found once per position_ids
+    tensor (a host read, `_mask_facts`). Under torch.compile position ids are not read back: there
+    a packed row's outputs come out NaN (`_poisoned_if_packed`), never attention across sequences."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        return (cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]),
+                int(kwargs["max_length_k"]))
+    position_ids = _self_attention_positions(query, key, kwargs)
+    if position_ids is None or torch.compiler.is_compiling():
+        return None
+    batch, seqlen = query.shape[0], query.shape[2]
+    return _mask_facts(position_ids, "packed sequences", batch, seqlen,
+                       lambda: _sequence_starts(position_ids.expand(batch, -1)))
+
+
+def _self_attention_positions(query, key, kwargs):
+    """The (B or 1, S) position ids of a call whose queries and keys are the same S > 1 tokens
+    (no cache), or None."""
+    position_ids = kwargs.get("position_ids")
+    seqlen = query.shape[2]
+    if (position_ids is None or seqlen <= 1 or key.shape[2] != seqlen or position_ids.dim() != 2
+            or position_ids.shape[-1] != seqlen):
+        return None
+    return position_ids
+
+
+def _sequence_starts(position_ids):
+    """`_packed_sequences` from (B, S) position ids: None if every row is one sequence."""
+    batch, seqlen = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids.diff(dim=1) != 1
+    first = starts.flatten().nonzero().squeeze(1)
+    if first.numel() == batch:
+        return None
+    cu = torch.cat([first, first.new_tensor([batch * seqlen])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
+
+
+def _poisoned_if_packed(out, query, key, kwargs):
+    """Under torch.compile, where `_packed_sequences` reads nothing back: `out` (B, S, Hq, D_v), or
+    (out, lse), with NaN outputs where a row of position ids holds several sequences (positions
+    that do not count up by one), which the dense call just made attended across."""
+    position_ids = _self_attention_positions(query, key, kwargs)
+    if position_ids is None:
+        return out
+    packed = (position_ids.diff(dim=-1) != 1).any(-1).expand(query.shape[0])[:, None, None, None]
+    if isinstance(out, tuple):
+        return torch.where(packed, float("nan"), out[0]), out[1]
+    return torch.where(packed, float("nan"), out)
+
+
+def _sequences_attention(query, key, value, sequences, causal, options):
+    """Attention of packed rows (`_packed_sequences`): (B, S, Hq, D_v), and lse (B, S, Hq) when
+    options ask for it."""
+    cu_q, cu_k, max_q, max_k = sequences
+    batch, heads_q, seqlen, dim = query.shape
+    q, k, v = (t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[-1]) for t in (query, key, value))
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, **options)
+    if not options.get("return_lse"):
+        return out.view(batch, seqlen, heads_q, -1)
+    out, lse = out
+    return out.view(batch, seqlen, heads_q, -1), lse.transpose(0, 1).reshape(batch, seqlen, heads_q)
 
 
 def _with_sinks(out, lse, sinks):
