@@ -17,6 +17,14 @@ OUT=${OUT:-$PWD/out}
 RESULTS="$OUT/results"
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 FLASHMOE_NO_PROGRESS=1
+# WHEELS: a folder of wheels carried along (no network there), e.g. a newer transformers and the
+# huggingface_hub it needs: installed without dependencies into a folder of their own, ahead of
+# the machine's packages for every stage.
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install --quiet --no-deps --target "${TMPDIR:-/tmp}/flashmoe_wheels" "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH="$PYTHONPATH:${TMPDIR:-/tmp}/flashmoe_wheels"
+  python3 -c "import transformers; print('transformers', transformers.__version__)" 2>/dev/null
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env tests attention-fwd attention-bwd attention-varlen-window attention-calls moe moe-fwd+bwd
                                    moe-train)
