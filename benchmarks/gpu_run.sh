@@ -77,7 +77,7 @@ for stage in "${stages[@]}"; do
     attention-fwd+bwd) bench attention --mode fwd+bwd --sections throughput ;;
     attention-varlen-window) bench attention --mode fwd+bwd --sections varlen,window --no-plot ;;
     attention-calls) bench attention --mode fwd+bwd --sections calls --no-plot ;;
-    attention-decode)  # 80 cases: at the default 5 x 100 ms timings they outrun one device call (67 done in ~8 min)
+    attention-decode)  # 80 cases: at the default 5 x 100 ms timings, 67 took about 7.5 minutes (one call has 10)
       bench attention --mode decode --no-plot --repeats 3 --rep 80 ;;
     attention-fp8) bench attention --mode fp8 --no-plot ${FP8_ARGS:-} ;;  # FP8 forward against bf16 and cuDNN (results attention_fp8)
     attention-mla)  # v's head dim of its own (DeepSeek's 192/128 and 128/64): forward and backward (results *_mla)
