@@ -6,6 +6,8 @@ batches, greedy generation."""
 import warnings
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
@@ -301,6 +303,56 @@ def test_decoding_attention_takes_each_sequence_from_its_start_or_packs_a_mask_w
     ref = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=keys_mask[:, None, None, :])
     assert rel(out, ref.transpose(1, 2)) < 1e-5
+
+
+@given(st.data())
+def test_any_padding_layout_attends_as_its_mask_says(data):
+    """Property: the attention as transformers calls it, on any padding layout of its masks: no
+    mask, a 2-D padding mask or the static-cache form (unfilled slots past the tokens so far),
+    left or right padding or holes; one query up to the whole prompt, GQA groups, sliding windows
+    (not with holes: there the window counts packed tokens, as transformers' flash-attention path
+    does, where its eager masks count cache slots; `_padded_attention`). Against a float64 reference on the valid queries: query i, at slot
+    filled - Sq + i, sees the valid slots j <= it (and within the window)."""
+    from flashmoe_science.integrations.transformers import fms_attention_forward, static_cache_mask
+
+    draw = data.draw
+    batch, heads_kv, group = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+    filled = draw(st.integers(1, 12))
+    seqlen_q = draw(st.sampled_from(sorted({1, min(2, filled), filled})))
+    form = draw(st.sampled_from(["none", "2d", "static"]))
+    kind = "full" if form == "none" else draw(st.sampled_from(["full", "left", "right", "hole"]))
+    window = None if kind == "hole" else draw(st.sampled_from([None, 3]))
+    cache_len = filled + (draw(st.integers(1, 5)) if form == "static" else 0)
+    mask = torch.ones(batch, filled, dtype=torch.bool)
+    for b in range(batch):
+        if kind == "left":
+            mask[b, :draw(st.integers(0, filled - 1))] = False
+        elif kind == "right":
+            mask[b, draw(st.integers(1, filled)):] = False
+        elif kind == "hole" and filled > 2:
+            mask[b, draw(st.integers(1, filled - 2))] = False
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    query = torch.randn(batch, heads_kv * group, seqlen_q, 16, device=DEVICE)
+    key, value = (torch.randn(batch, heads_kv, cache_len, 16, device=DEVICE) for _ in range(2))
+    key[:, :, filled:] = value[:, :, filled:] = 0  # unfilled slots
+    mask = mask.to(DEVICE)
+    attention_mask = {"none": None, "2d": mask, "static": static_cache_mask(mask, cache_len)}[form]
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = fms_attention_forward(module, query, key, value, attention_mask, scaling=0.25, sliding_window=window)
+    assert out.shape == (batch, seqlen_q, heads_kv * group, 16)
+    slots = torch.arange(cache_len, device=DEVICE)
+    for b in range(batch):
+        for i in range(seqlen_q):
+            at = filled - seqlen_q + i
+            if not mask[b, at]:
+                continue  # a padding query: no defined output
+            seen = (slots <= at) & F.pad(mask[b], (0, cache_len - filled))
+            if window is not None:
+                seen &= slots > at - window
+            k, v = (t[b].double().repeat_interleave(group, 0)[:, seen] for t in (key, value))
+            ref = torch.softmax(query[b, :, i, None].double() @ k.transpose(1, 2) * 0.25, -1) @ v
+            assert (out[b, i].double() - ref[:, 0]).abs().max() < 1e-4, (b, i)
 
 
 def test_experts_that_the_kernels_cannot_express_fall_back_with_one_warning(monkeypatch):

@@ -302,7 +302,9 @@ def _mask_facts(mask, what: str, seqlen_q: int, seqlen_k: int, find):
 def _padded_attention(query, key, value, mask, causal, options):
     """A padded batch as packed sequences: key b's valid tokens are the mask's (`_split_mask`: the
     last Sk entries of a 2-D mask, or the static-cache form's), query b's the last Sq filled slots;
-    outputs of padding queries are 0. Keys past the filled slots (a static cache) are unfilled."""
+    outputs of padding queries are 0. Keys past the filled slots (a static cache) are unfilled. A
+    sliding window then counts tokens, as transformers' flash-attention path does: the cache slots
+    its eager masks count are the same unless the mask has a hole inside a sequence."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k, dim_v = key.shape[2], value.shape[-1]
     k_index, q_index, cu_k, cu_q = _mask_facts(mask, "packing", seqlen_q, seqlen_k,
