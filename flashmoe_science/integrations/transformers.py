@@ -83,11 +83,8 @@ def fms_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     if attention_mask is not None and attention_mask.dim() == 3:
         return attention_mask
     if not isinstance(q_offset, torch.Tensor) and not (kv_offset == 0 and q_offset + q_length < kv_length):
-        mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+        return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                     attention_mask, **kwargs)
-        if mask is None or mask.shape[1] >= kv_length:
-            return mask
-        return static_cache_mask(mask, kv_length)
     if attention_mask is not None:
         return static_cache_mask(attention_mask.to(torch.bool), kv_length)
     device = q_offset.device if isinstance(q_offset, torch.Tensor) else kwargs.get("device")
@@ -193,15 +190,19 @@ def _self_attention_positions(query, key, kwargs):
 
 
 def _sequence_starts(position_ids):
-    """`_packed_sequences` from (B, S) position ids: None if every row is one sequence."""
+    """`_packed_sequences` from (B, S) position ids, read to the host in one copy (one sync, where
+    finding the starts and the longest sequence on the device would take two): None if every row
+    is one sequence."""
     batch, seqlen = position_ids.shape
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids.diff(dim=1) != 1
+    positions = position_ids.cpu()
+    starts = torch.ones(batch, seqlen, dtype=torch.bool)
+    starts[:, 1:] = positions.diff(dim=1) != 1
     first = starts.flatten().nonzero().squeeze(1)
     if first.numel() == batch:
         return None
     cu = torch.cat([first, first.new_tensor([batch * seqlen])]).to(torch.int32)
     longest = int(cu.diff().max())
+    cu = cu.to(position_ids.device)
     return cu, cu, longest, longest
 
 
