@@ -86,7 +86,7 @@ def _tc(args) -> int:
     import torch
 
     from .science import tc
-    from .bench.common import progress
+    from .bench.common import environment, progress
 
     if args.tc_command == "featurize":
         compounds = tc.load_supercon(args.data, limit=args.limit, on_error=args.on_error)
@@ -120,10 +120,10 @@ def _tc(args) -> int:
         folds, mean, models, predictions = tc.run_cross_validation(
             compounds, folds=args.folds, split=args.split, epochs=args.epochs, device=device, backend=backend,
             baseline=args.baseline != "none", seed=args.seed, lr=args.lr, model_options=options, progress=progress,
-            table=table, features=features)
-        meta = {"data": str(args.data), "compounds": len(compounds), "split": args.split, "folds": args.folds,
+            table=table, features=features, cuda_graphs=args.cuda_graphs)
+        meta = {**environment(), "data": str(args.data), "compounds": len(compounds), "split": args.split, "folds": args.folds,
                 "epochs": args.epochs, "lr": args.lr, "device": str(device), "seed": args.seed,
-                "superconductors_only": args.superconductors_only,
+                "superconductors_only": args.superconductors_only, "cuda_graphs": args.cuda_graphs,
                 "model_options": models[0].options}
         if args.compare_backends:
             meta["speed"] = tc.compare_backends(compounds, device, model_options=options, seed=args.seed, table=table)
@@ -224,9 +224,11 @@ def build_parser():
                             "minimum, maximum of the elemental properties)")
     train.add_argument("--dropout", type=float, default=0.0, help="dropout on each block's residual branches")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="replay each full batch's training step as a CUDA graph (default: on the kernels on a GPU)")
     train.add_argument("--compare-backends", action="store_true",
-                       help="also time training epochs with our kernels, PyTorch (padded SDPA, per-expert loop) and "
-                            "PyTorch with torch._grouped_mm, from the same weights")
+                       help="also time training epochs with our kernels (with and without CUDA graphs), PyTorch "
+                            "(padded SDPA, per-expert loop) and PyTorch with torch._grouped_mm, from the same weights")
     featurize = tc_sub.add_parser("featurize", help="parse the formulas and compute the baseline's features once, "
                                                     "into a file tc train reads without pymatgen or matminer")
     featurize.add_argument("--data", required=True, help="SuperCon CSV (columns name, Tc)")

@@ -625,7 +625,28 @@ def render_headline(results_dir) -> str:
                        f"{ours['tokens_per_s_per_gpu'] / 1e3:.0f}k tokens/s per GPU | "
                        f"{theirs['tokens_per_s_per_gpu'] / 1e3:.0f}k (all_to_all + grouped_mm) | "
                        f"{ours['tokens_per_s_per_gpu'] / theirs['tokens_per_s_per_gpu']:.2f}x | `ep_4gpu.json` |")
+    out += _tc_headline(results_dir, gpus)
     return f"_{', '.join(dict.fromkeys(gpus))}; bf16 unless marked FP8._\n\n" + "\n".join(out) + "\n"
+
+
+# The Tc cross-validation run whose epoch timings (`tc train --compare-backends`) the headline shows.
+TC_HEADLINE_RUN = "tc/cluster_superconductors"
+
+
+def _tc_headline(results_dir, gpus) -> list:
+    """The Tc set transformer's training epoch on our kernels against SDPA + grouped_mm (none
+    when the run did not compare them)."""
+    result = _load(results_dir, f"{TC_HEADLINE_RUN}/metrics")
+    speed = (result or {}).get("meta", {}).get("speed", {})
+    ours, theirs = speed.get("kernels", {}), speed.get("torch_grouped_mm", {})
+    if "seconds_per_epoch" not in ours or "seconds_per_epoch" not in theirs:
+        return []
+    if "gpu" in result["meta"]:  # runs record it since the CUDA-graph steps (earlier ones: an H100)
+        gpus.append(result["meta"]["gpu"] or "CPU")
+    return [f"| Tc set transformer training epoch (fp32, CUDA graphs) | SuperCon, {result['meta']['compounds']} "
+            f"compounds, {result['meta']['split']} split | {ours['seconds_per_epoch']:.2f} s | "
+            f"{theirs['seconds_per_epoch']:.2f} s (SDPA + grouped_mm, eager) | "
+            f"{theirs['seconds_per_epoch'] / ours['seconds_per_epoch']:.2f}x | `{TC_HEADLINE_RUN}/metrics.json` |"]
 
 
 def update_readme(results_dir, readme_path, *, check: bool = False) -> bool:

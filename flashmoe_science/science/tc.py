@@ -10,6 +10,10 @@ backend="torch" (SDPA on a padded batch and the per-expert loop of `moe.referenc
 and the plain side of the speed comparison) or "torch_grouped_mm" (SDPA and
 `moe.reference.fused_moe_grouped_mm`, bf16 on a GPU as torch._grouped_mm wants).
 
+Training (`train_model`): AdamW on a one-cycle schedule; on a GPU each full batch's step replays a
+CUDA graph (`GraphedSteps`: the batch padded to a bucket of tokens by one more sequence that
+stays out of the loss), as the host's launches would otherwise take several times the GPU's work.
+
 Data (`load_supercon`): formulas parsed with pymatgen; a malformed row is reported with its line
 and skipped, or stops the run (`on_error`); duplicates (the same reduced composition) merged,
 Tc averaged, the count kept. Folds (`assign_folds`): random, or by cluster: every compound of
@@ -29,6 +33,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +49,7 @@ MAGPIE_PROPERTIES = ("Number", "MendeleevNumber", "AtomicWeight", "MeltingT", "C
                      "NsUnfilled", "NpUnfilled", "NdUnfilled", "NfUnfilled", "NUnfilled", "GSvolume_pa",
                      "GSbandgap", "GSmagmom", "SpaceGroupNumber")
 TC_CLASS_K = 10.0  # Stanev et al.'s classification threshold
+GRAPH_TOKEN_BUCKET = 128  # a graphed training step's tokens, padded to a multiple of this (`GraphedSteps`)
 TC_SCALE_K = 100.0
 # What the model and the baseline regress, and back to Tc in K: Tc / 100 K (the mean squared error
 # in kelvin, what R² and RMSE score) or log(1 + Tc) (relative errors: the many low-Tc compounds
@@ -168,17 +174,29 @@ def element_table() -> torch.Tensor:
     return torch.nan_to_num((table - mean) / std).float()
 
 
+def _host_batch(compounds, pad_to: int | None = None) -> tuple:
+    """(atomic numbers (T,), fractions (T,), cu_seqlens (B + 1,) int32, Tc in K (B,)) on the host.
+    With `pad_to`, one more sequence of padding tokens (hydrogen at fraction 1; its Tc is not
+    part of the batch) brings the tokens to `pad_to`, which must leave it at least one."""
+    lengths = [len(c.elements) for c in compounds]
+    tokens = sum(lengths)
+    padding = [] if pad_to is None else [pad_to - tokens]
+    if padding and padding[0] < 1:
+        raise ValueError(f"pad_to ({pad_to}) must exceed the batch's {tokens} tokens")
+    z = torch.tensor([e for c in compounds for e in c.elements] + [1] * sum(padding), dtype=torch.long)
+    frac = torch.tensor([f for c in compounds for f in c.fractions] + [1.0] * sum(padding), dtype=torch.float32)
+    cu = torch.tensor([0] + lengths + padding, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return z, frac, cu, torch.tensor([c.tc for c in compounds], dtype=torch.float32)
+
+
 def pack(compounds, device) -> tuple:
     """(atomic numbers (T,), fractions (T,), cu_seqlens (B + 1,) int32, longest, Tc in K (B,))."""
-    z = torch.tensor([e for c in compounds for e in c.elements], dtype=torch.long)
-    frac = torch.tensor([f for c in compounds for f in c.fractions], dtype=torch.float32)
-    lengths = torch.tensor([len(c.elements) for c in compounds], dtype=torch.int32)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0, dtype=torch.int32)])
-    tc = torch.tensor([c.tc for c in compounds], dtype=torch.float32)
+    z, frac, cu, tc = _host_batch(compounds)
+    longest = max((len(c.elements) for c in compounds), default=0)
     if torch.device(device).type == "cuda":  # from pinned memory, a copy that does not wait for the GPU
-        return (*(t.pin_memory().to(device, non_blocking=True) for t in (z, frac, cu)), int(lengths.max()),
-                tc.pin_memory().to(device, non_blocking=True))
-    return z.to(device), frac.to(device), cu.to(device), int(lengths.max()), tc.to(device)
+        z, frac, cu, tc = (t.pin_memory().to(device, non_blocking=True) for t in (z, frac, cu, tc))
+        return z, frac, cu, longest, tc
+    return z.to(device), frac.to(device), cu.to(device), longest, tc.to(device)
 
 
 class TcSetTransformer(nn.Module):
@@ -256,7 +274,8 @@ class TcSetTransformer(nn.Module):
             x = x + self.dropout(self._moe(block["moe"], block["norm2"](x)))
         # Attention pooling: a softmax over each compound's tokens of a learned score.
         batch = cu.numel() - 1
-        seq = torch.repeat_interleave(torch.arange(batch, device=x.device), (cu[1:] - cu[:-1]).long())
+        seq = torch.repeat_interleave(torch.arange(batch, device=x.device), (cu[1:] - cu[:-1]).long(),
+                                      output_size=x.shape[0])  # sized without a host read of cu
         score = self.pool_query(x).squeeze(-1)
         score = score - score.max()
         weight = torch.exp(score)
@@ -283,20 +302,28 @@ class TcSetTransformer(nn.Module):
 BACKENDS = ("kernels", "torch", "torch_grouped_mm")
 
 
+# The speed comparison's sides: our kernels (CUDA graphs on a GPU), the same without graphs, plain
+# PyTorch and PyTorch with grouped_mm (`TcSetTransformer`'s backends).
+SPEED_SIDES = {"kernels": dict(backend="kernels"), "kernels_eager": dict(backend="kernels", cuda_graphs=False),
+               "torch": dict(backend="torch"), "torch_grouped_mm": dict(backend="torch_grouped_mm")}
+SPEED_EPOCHS = 3  # the last one is timed: the earlier ones compile kernels and capture graphs
+
+
 def compare_backends(compounds, device, *, batch_size=256, model_options=None, seed=0, table=None) -> dict:
-    """One training epoch on `compounds` per backend, from the same initial weights: seconds and
-    tokens/s each, or the error that kept a backend from running. `table`: as for
-    `run_cross_validation`."""
+    """Training on `compounds` per side of SPEED_SIDES, from the same initial weights: the last of
+    SPEED_EPOCHS epochs' seconds and tokens/s, or the error that kept a side from running.
+    `table`: as for `run_cross_validation`."""
     out = {}
     table = element_table() if table is None else table
-    for backend in BACKENDS:
+    tokens = sum(len(c.elements) for c in compounds)
+    for name, options in SPEED_SIDES.items():
         try:
-            _, _, seconds, tokens_per_s = train_model(compounds, table, device, epochs=2, batch_size=batch_size,
-                                                      seed=seed, backend=backend, model_options=model_options)
-        except Exception as exc:  # a backend this device cannot run (no GPU for the kernels, no bf16 grouped_mm)
-            out[backend] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            run = train_model(compounds, table, device, epochs=SPEED_EPOCHS, batch_size=batch_size, seed=seed,
+                              model_options=model_options, **options)
+        except Exception as exc:  # a side this device cannot run (no GPU for the kernels, no bf16 grouped_mm)
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         else:
-            out[backend] = {"seconds_per_epoch": seconds / 2, "tokens_per_s": tokens_per_s}
+            out[name] = {"seconds_per_epoch": run.epoch_seconds[-1], "tokens_per_s": tokens / run.epoch_seconds[-1]}
     return out
 
 
@@ -310,32 +337,137 @@ def metrics(pred_tc, true_tc) -> dict:
             "accuracy_10k": ((pred > TC_CLASS_K) == (true > TC_CLASS_K)).double().mean().item()}
 
 
+class Training(NamedTuple):
+    """What `train_model` returns."""
+
+    model: nn.Module
+    losses: list  # per epoch, the mean training loss
+    seconds: float  # the whole training, wall-clock
+    tokens_per_s: float  # compound tokens (padding not counted) over `seconds`
+    epoch_seconds: list  # wall-clock of each epoch
+
+
 def train_model(train, table, device, *, epochs, batch_size=256, lr=1e-3, seed=0, backend="kernels",
-                model_options=None, progress=None):
-    """A model trained on `train` compounds; returns (model, per-epoch mean losses, seconds, tokens/s)."""
+                model_options=None, progress=None, cuda_graphs=None) -> Training:
+    """A model trained on `train` compounds (AdamW, one-cycle schedule). `cuda_graphs` (default:
+    on for the kernels on a GPU) runs each full batch as a CUDA graph replay (`GraphedSteps`)."""
+    capturable = backend == "kernels" and torch.device(device).type == "cuda"
+    if cuda_graphs and not capturable:  # the PyTorch backends read device values on the host
+        raise ValueError(f"cuda_graphs needs the kernels backend on a CUDA device, got backend {backend!r} on "
+                         f"{torch.device(device)}")
     torch.manual_seed(seed)
     model = TcSetTransformer(table.to(device), backend=backend, **(model_options or {})).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    graphed = capturable if cuda_graphs is None else cuda_graphs
+    if graphed:
+        # A captured step reads the learning rate and Adam's beta1 from device tensors, which the
+        # schedule refills between replays (`GraphedSteps.follow_schedule`). Not the foreach
+        # update: it reads tensor betas back to the host, which capture forbids.
+        betas = (torch.tensor(0.9, device=device), torch.tensor(0.999, device=device))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(lr, device=device), betas=betas,
+                                      weight_decay=1e-4, capturable=True, foreach=False)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    # before the schedule, which sets beta1 to a float
+    steps = GraphedSteps(model, optimizer, batch_size, max(len(c.elements) for c in train)) if graphed else None
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=max(1, epochs * math.ceil(
         len(train) / batch_size)))
+    if steps is not None:
+        steps.follow_schedule()
     rng = random.Random(seed)
-    losses, tokens, start = [], 0, time.perf_counter()
+    losses, epoch_seconds, tokens, start = [], [], 0, time.perf_counter()
     for _ in (progress or (lambda x, desc="": x))(range(epochs), desc="epochs"):
+        epoch_start = time.perf_counter()
         order = list(range(len(train)))
         rng.shuffle(order)
         epoch_losses = []
         for first in range(0, len(order), batch_size):
-            z, frac, cu, longest, tc = pack([train[i] for i in order[first:first + batch_size]], device)
-            loss = F.mse_loss(model(z, frac, cu, longest), model.encode(tc))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            batch = [train[i] for i in order[first:first + batch_size]]
+            if steps is not None and len(batch) == batch_size:
+                loss = steps.step(batch)
+            else:
+                z, frac, cu, longest, tc = pack(batch, device)
+                loss = train_step(model, optimizer, z, frac, cu, longest, tc)
             schedule.step()
-            epoch_losses.append(loss.detach())  # read once an epoch: a read each step waits for the GPU
-            tokens += z.numel()
+            if steps is not None:
+                steps.follow_schedule()
+            epoch_losses.append(loss)  # read once an epoch: a read each step waits for the GPU
+            tokens += sum(len(c.elements) for c in batch)
         losses.append(torch.stack(epoch_losses).mean().item())
+        epoch_seconds.append(time.perf_counter() - epoch_start)
     seconds = time.perf_counter() - start
-    return model, losses, seconds, tokens / seconds
+    return Training(model, losses, seconds, tokens / seconds, epoch_seconds)
+
+
+def train_step(model, optimizer, z, frac, cu, longest, tc, compounds=None) -> torch.Tensor:
+    """One optimizer step on a packed batch; the loss (detached). `compounds`: how many of the
+    batch's sequences are compounds (the rest, padding, stay out of the loss; None: all)."""
+    pred = model(z, frac, cu, longest)
+    loss = F.mse_loss(pred if compounds is None else pred[:compounds], model.encode(tc))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+class GraphedSteps:
+    """Training steps of `batch_size` compounds as CUDA graph replays, one graph per token count.
+
+    A step's host work (hundreds of kernel launches through autograd and the optimizer) costs
+    several times its GPU time at these sizes. A batch's tokens are padded up to the next multiple
+    of GRAPH_TOKEN_BUCKET by one more sequence (`_host_batch`), whose prediction stays out of the
+    loss, so the padding takes no part in the step; the attention's longest sequence is fixed at
+    the data's longest compound or the bucket, whichever is more. The first batch of a token
+    count runs eagerly on a side stream (compiling the kernels, initialising the optimizer's state:
+    what capture needs done before it), the second is captured and replayed, later ones are copied
+    into the graph's input buffers and replayed. Each is the step the eager loop takes on the same
+    compounds, up to the order of floating-point sums in kernels tiled for the padded count. The
+    optimizer must be capturable, with its learning rate and betas in device tensors."""
+
+    def __init__(self, model, optimizer, batch_size: int, longest: int):
+        self.model, self.optimizer, self.batch_size = model, optimizer, batch_size
+        self.longest = max(longest, GRAPH_TOKEN_BUCKET)
+        self.device = next(model.parameters()).device
+        beta1, beta2 = optimizer.param_groups[0]["betas"]
+        # beta1 stays a tensor (the schedule changes it); beta2, which it does not, a float: the
+        # update multiplies by 1 - beta2 as a Python number
+        self._beta1, self._beta2 = beta1, float(beta2)
+        self._graphs = {}  # token count -> [input buffers, graph or None, loss buffer]
+
+    def follow_schedule(self) -> None:
+        """After the schedule steps: its beta1 (a float it sets) into the device tensor that a
+        captured step reads (it refills the learning rate's tensor itself), beta2 a float."""
+        for group in self.optimizer.param_groups:
+            beta1 = group["betas"][0]
+            if not isinstance(beta1, torch.Tensor):
+                self._beta1.fill_(beta1)
+            group["betas"] = (self._beta1, self._beta2)
+
+    def step(self, compounds) -> torch.Tensor:
+        """One optimizer step on `batch_size` compounds; the loss (a device tensor of its own)."""
+        tokens = sum(len(c.elements) for c in compounds)
+        padded = (tokens // GRAPH_TOKEN_BUCKET + 1) * GRAPH_TOKEN_BUCKET
+        host = [t.pin_memory() for t in _host_batch(compounds, pad_to=padded)]
+        entry = self._graphs.get(padded)
+        if entry is None:
+            inputs = [t.to(self.device, non_blocking=True) for t in host]
+            self._graphs[padded] = [inputs, None, None]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                loss = train_step(self.model, self.optimizer, *inputs[:3], self.longest, inputs[3],
+                                  self.batch_size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return loss
+        inputs, graph, loss = entry
+        for buffer, t in zip(inputs, host):
+            buffer.copy_(t, non_blocking=True)
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                loss = train_step(self.model, self.optimizer, *inputs[:3], self.longest, inputs[3], self.batch_size)
+            entry[1:] = [graph, loss]
+        graph.replay()
+        return loss.clone()
 
 
 @torch.no_grad()
@@ -389,10 +521,11 @@ def load_features(path) -> tuple:
 
 
 def run_cross_validation(compounds, *, folds, split, epochs, device, backend="kernels", baseline=True, seed=0,
-                         batch_size=256, lr=1e-3, model_options=None, progress=None, table=None, features=None):
+                         batch_size=256, lr=1e-3, model_options=None, progress=None, table=None, features=None,
+                         cuda_graphs=None):
     """Per fold: the model's and the baseline's metrics on the held-out compounds; their means.
     `table` and `features` (the Magpie features of `compounds`), when given (`load_features`),
-    are used instead of computing them with matminer."""
+    are used instead of computing them with matminer; `cuda_graphs` as `train_model` takes it."""
     fold_of = assign_folds(compounds, folds, split, seed)
     table = element_table() if table is None else table
     if baseline and features is None:
@@ -402,9 +535,10 @@ def run_cross_validation(compounds, *, folds, split, epochs, device, backend="ke
         train = [c for c, f in zip(compounds, fold_of) if f != fold]
         test_idx = [i for i, f in enumerate(fold_of) if f == fold]
         test = [compounds[i] for i in test_idx]
-        model, losses, seconds, tokens_per_s = train_model(train, table, device, epochs=epochs, seed=seed + fold,
-                                                           backend=backend, batch_size=batch_size, lr=lr,
-                                                           model_options=model_options, progress=progress)
+        model, losses, seconds, tokens_per_s, _ = train_model(train, table, device, epochs=epochs, seed=seed + fold,
+                                                              backend=backend, batch_size=batch_size, lr=lr,
+                                                              model_options=model_options, progress=progress,
+                                                              cuda_graphs=cuda_graphs)
         true = [c.tc for c in test]
         pred = predict(model, test, device)
         row = {"fold": fold, "train": len(train), "test": len(test), "losses": losses, "train_seconds": seconds,

@@ -52,7 +52,7 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         row = {"name": name, "model_options": model_options, "train_options": train_options}
         try:
-            model, losses, _, _ = tc.train_model(train, table, device, backend=backend, model_options=model_options,
+            model, losses, *_ = tc.train_model(train, table, device, backend=backend, model_options=model_options,
                                                  **train_options)
         except (RuntimeError, ValueError) as exc:  # a candidate that diverges, does not fit, or is malformed
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
