@@ -93,7 +93,8 @@ for stage in "${stages[@]}"; do
         --tokens 1 16 256 4096 16384 --no-plot ;;
     ep)  # expert parallelism over every GPU of the machine (starts itself under torchrun; EP_ARGS: more options)
       bench ep ${EP_ARGS:-} ;;
-    tc)  # superconductor Tc, 5-fold, both splits, about 2.5 minutes each with --compare-backends (both fit one device call);
+    tc)  # superconductor Tc, 5-fold, both splits: about 6.5 minutes each (three models a fold: one device call apiece,
+         # SPLITS="random"), 2.5 with TC_ARGS="--superconductors-only --ensemble 1 --compare-backends" (both fit one);
          # TC_DATA: SuperCon featurized here (flashmoe-science tc featurize --data
          # ../shared/data/supercon/Supercon_data.csv --out out/data/supercon.pt: the GPU image has no pymatgen or
          # matminer), carried along; TC_ARGS (default --superconductors-only, the protocol)

@@ -59,3 +59,21 @@ def test_graphed_training_steps_are_the_eager_steps():
     torch.testing.assert_close(runs[1].losses, runs[0].losses, atol=1e-4, rtol=1e-3)
     for (name, eager), graphed in zip(runs[0].model.named_parameters(), runs[1].model.parameters()):
         torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_an_ensemble_per_fold_is_scored_on_its_mean_prediction():
+    data = compounds(40)
+    options = dict(dim=16, heads=2, depth=1, experts=2, expert_dim=16)
+    rows, mean, models, predictions = tc.run_cross_validation(
+        data, folds=2, split="random", epochs=2, device="cpu", backend="torch", baseline=False, batch_size=8,
+        model_options=options, table=element_table(), ensemble=2)
+    assert len(models) == 4 and all(len(row["member_r2"]) == 2 for row in rows)
+    for fold, row in enumerate(rows):
+        test = [c for c, f in zip(data, tc.assign_folds(data, 2, "random")) if f == fold]
+        pred = torch.stack([tc.predict(m, test, "cpu") for m in models[2 * fold:2 * fold + 2]]).mean(0)
+        assert row["model"] == tc.metrics(pred, [c.tc for c in test])
+    assert models[0].state_dict()["embed.weight"].ne(models[1].state_dict()["embed.weight"]).any()  # own seeds
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="ensemble must be an int >= 1"):
+            tc.run_cross_validation(data, folds=2, split="random", epochs=1, device="cpu", backend="torch",
+                                    baseline=False, table=element_table(), ensemble=bad)

@@ -522,10 +522,13 @@ def load_features(path) -> tuple:
 
 def run_cross_validation(compounds, *, folds, split, epochs, device, backend="kernels", baseline=True, seed=0,
                          batch_size=256, lr=1e-3, model_options=None, progress=None, table=None, features=None,
-                         cuda_graphs=None):
+                         cuda_graphs=None, ensemble=1):
     """Per fold: the model's and the baseline's metrics on the held-out compounds; their means.
     `table` and `features` (the Magpie features of `compounds`), when given (`load_features`),
-    are used instead of computing them with matminer; `cuda_graphs` as `train_model` takes it."""
+    are used instead of computing them with matminer; `cuda_graphs` as `train_model` takes it.
+    `ensemble`: models per fold (seeds of their own), scored on their mean prediction."""
+    if not isinstance(ensemble, int) or isinstance(ensemble, bool) or ensemble < 1:
+        raise ValueError(f"ensemble must be an int >= 1, got {ensemble!r}")
     fold_of = assign_folds(compounds, folds, split, seed)
     table = element_table() if table is None else table
     if baseline and features is None:
@@ -535,14 +538,18 @@ def run_cross_validation(compounds, *, folds, split, epochs, device, backend="ke
         train = [c for c, f in zip(compounds, fold_of) if f != fold]
         test_idx = [i for i, f in enumerate(fold_of) if f == fold]
         test = [compounds[i] for i in test_idx]
-        model, losses, seconds, tokens_per_s, _ = train_model(train, table, device, epochs=epochs, seed=seed + fold,
-                                                              backend=backend, batch_size=batch_size, lr=lr,
-                                                              model_options=model_options, progress=progress,
-                                                              cuda_graphs=cuda_graphs)
+        runs = [train_model(train, table, device, epochs=epochs, seed=seed + fold + folds * member, backend=backend,
+                            batch_size=batch_size, lr=lr, model_options=model_options, progress=progress,
+                            cuda_graphs=cuda_graphs) for member in range(ensemble)]
+        model = runs[0].model
         true = [c.tc for c in test]
-        pred = predict(model, test, device)
-        row = {"fold": fold, "train": len(train), "test": len(test), "losses": losses, "train_seconds": seconds,
-               "tokens_per_s": tokens_per_s, "model": metrics(pred, true)}
+        member_preds = [predict(run.model, test, device) for run in runs]
+        pred = torch.stack(member_preds).mean(0)
+        row = {"fold": fold, "train": len(train), "test": len(test), "losses": runs[0].losses,
+               "train_seconds": sum(run.seconds for run in runs), "tokens_per_s": runs[0].tokens_per_s,
+               "model": metrics(pred, true)}
+        if ensemble > 1:
+            row["member_r2"] = [metrics(p, true)["r2"] for p in member_preds]
         if baseline:
             from sklearn.ensemble import HistGradientBoostingRegressor
 
@@ -556,10 +563,10 @@ def run_cross_validation(compounds, *, folds, split, epochs, device, backend="ke
             base = None
         predictions += [(compounds[i].formula, compounds[i].tc, float(p), None if base is None else float(b))
                         for i, p, b in zip(test_idx, pred, base if base is not None else [None] * len(test_idx))]
-        results.append((row, model))
+        results.append((row, [run.model for run in runs]))
     mean = {side: {k: statistics.fmean(r[0][side][k] for r in results) for k in results[0][0][side]}
             for side in ("model", "baseline") if side in results[0][0]}
-    return [r for r, _ in results], mean, [m for _, m in results], predictions
+    return [r for r, _ in results], mean, [m for _, models in results for m in models], predictions
 
 
 def write_outputs(out_dir, folds_rows, mean, models, predictions, meta) -> Path:
