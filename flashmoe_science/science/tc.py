@@ -299,9 +299,6 @@ class TcSetTransformer(nn.Module):
         return torch.cat([mean, deviation, low, high], -1)
 
 
-BACKENDS = ("kernels", "torch", "torch_grouped_mm")
-
-
 # The speed comparison's sides: our kernels (CUDA graphs on a GPU), the same without graphs, plain
 # PyTorch and PyTorch with grouped_mm (`TcSetTransformer`'s backends).
 SPEED_SIDES = {"kernels": dict(backend="kernels"), "kernels_eager": dict(backend="kernels", cuda_graphs=False),
