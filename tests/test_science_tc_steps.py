@@ -49,9 +49,10 @@ def test_cuda_graphs_are_refused_where_a_step_cannot_be_captured():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_graphed_training_steps_are_the_eager_steps():
+@pytest.mark.parametrize("stats", [False, True], ids=["tokens", "composition_stats"])
+def test_graphed_training_steps_are_the_eager_steps(stats):
     data = compounds(96)
-    options = dict(dim=32, heads=2, depth=2, experts=4, expert_dim=16)
+    options = dict(dim=32, heads=2, depth=2, experts=4, expert_dim=16, composition_stats=stats)
     # Batches of 32 compounds (about 112 tokens: padded to 128 or 256), 6 epochs: each token
     # count's first batch eager, its second captured, later ones replayed, between the others.
     runs = [tc.train_model(data, element_table(), "cuda", epochs=6, batch_size=32, cuda_graphs=graphs,
@@ -77,3 +78,18 @@ def test_an_ensemble_per_fold_is_scored_on_its_mean_prediction():
         with pytest.raises(ValueError, match="ensemble must be an int >= 1"):
             tc.run_cross_validation(data, folds=2, split="random", epochs=1, device="cpu", backend="torch",
                                     baseline=False, table=element_table(), ensemble=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_a_step_that_cannot_be_captured_is_named(monkeypatch):
+    real = tc.train_step
+
+    def reads_back(model, optimizer, *args):
+        loss = real(model, optimizer, *args)
+        loss.item()  # a host read: forbidden while capturing
+        return loss
+
+    monkeypatch.setattr(tc, "train_step", reads_back)
+    with pytest.raises(RuntimeError, match="capturing the Tc training step in a CUDA graph failed"):
+        tc.train_model(compounds(64), element_table(), "cuda", epochs=4, batch_size=32, cuda_graphs=True,
+                       model_options=dict(dim=16, heads=2, depth=1, experts=2, expert_dim=16))

@@ -460,8 +460,14 @@ class GraphedSteps:
             buffer.copy_(t, non_blocking=True)
         if graph is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                loss = train_step(self.model, self.optimizer, *inputs[:3], self.longest, inputs[3], self.batch_size)
+            try:
+                with torch.cuda.graph(graph):
+                    loss = train_step(self.model, self.optimizer, *inputs[:3], self.longest, inputs[3],
+                                      self.batch_size)
+            except RuntimeError as exc:  # CUDA's own message names no cause
+                raise RuntimeError("capturing the Tc training step in a CUDA graph failed (an operation of the "
+                                   "model reads a device value on the host, or synchronises); train with "
+                                   "cuda_graphs=False (tc train --no-cuda-graphs)") from exc
             entry[1:] = [graph, loss]
         graph.replay()
         return loss.clone()
