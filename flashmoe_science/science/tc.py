@@ -433,11 +433,10 @@ class GraphedSteps:
     def follow_schedule(self) -> None:
         """After the schedule steps: its beta1 (a float it sets) into the device tensor that a
         captured step reads (it refills the learning rate's tensor itself), beta2 a float."""
-        for group in self.optimizer.param_groups:
-            beta1 = group["betas"][0]
-            if not isinstance(beta1, torch.Tensor):
-                self._beta1.fill_(beta1)
-            group["betas"] = (self._beta1, self._beta2)
+        group = self.optimizer.param_groups[0]  # train_model's one group, whose betas __init__ took
+        if not isinstance(group["betas"][0], torch.Tensor):
+            self._beta1.fill_(group["betas"][0])
+        group["betas"] = (self._beta1, self._beta2)
 
     def step(self, compounds) -> torch.Tensor:
         """One optimizer step on `batch_size` compounds; the loss (a device tensor of its own)."""
