@@ -95,6 +95,25 @@ def test_contiguous_and_paged_caches_match_reference(B, Sq, Hq, Hkv, D, capacity
         assert torch.equal(out_paged, out), page_size  # the same tiles in the same order: the same bits
 
 
+def test_more_splits_than_one_combine_load(device):
+    """40 splits of one key block each: the combine kernel folds them DECODE_COMBINE_SPLITS at a
+    time; the short sequence leaves most splits empty (lse -inf), the long one fills every one."""
+    from flashmoe_science.attention.configs import DECODE_COMBINE_SPLITS
+    from flashmoe_science.attention.decode import DecodePlan
+    num_splits = 40
+    B, Sq, Hq, Hkv, D, capacity, lengths = 2, 2, 4, 2, 16, 40 * 64, [70, 2560]
+    q = torch.randn(B, Sq, Hq, D, device=device) * 3  # spread the splits' lse
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.float32, device, lengths)
+    plan = DecodePlan(q, k_cache, None, True, (-1, -1), num_splits)
+    assert plan.num_splits == num_splits > 2 * DECODE_COMBINE_SPLITS
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    out, lse = flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
+                                            return_lse=True)
+    ref, ref_lse = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), lengths)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse.double(), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("paged_cache", [False, True])
 def test_new_keys_are_appended_in_place_before_attending(paged_cache, device):
     B, Sq, Hq, Hkv, D, capacity = 3, 2, 4, 2, 32, 64

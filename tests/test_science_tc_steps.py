@@ -92,4 +92,4 @@ def test_a_step_that_cannot_be_captured_is_named(monkeypatch):
     monkeypatch.setattr(tc, "train_step", reads_back)
     with pytest.raises(RuntimeError, match="capturing the Tc training step in a CUDA graph failed"):
         tc.train_model(compounds(64), element_table(), "cuda", epochs=4, batch_size=32, cuda_graphs=True,
-                       model_options=dict(dim=16, heads=2, depth=1, experts=2, expert_dim=16))
+                       model_options=dict(dim=32, heads=2, depth=1, experts=2, expert_dim=16))
