@@ -166,3 +166,20 @@ def test_decode_split_counts_follow_the_measured_regimes():
     assert decode_splits(h100, 0, 0, 64) == 1 and decode_splits(h100, 8, 0, 64) == 1
     plain, fp8 = decode_config(h100, 2, 128, 4), decode_config(h100, 2, 128, 4, cache_element_size=1)
     assert fp8.num_stages == plain.num_stages + DECODE_FP8_CACHE_EXTRA_STAGES and fp8.block_n == plain.block_n
+
+
+def test_decode_key_block_fits_a_tail_into_one_wave():
+    """At head dim 64 (bf16, Hkv 8, GQA 4) on an H100 the doubled key block (128) stays, but for
+    grids just over one wave of its programs (1 to DECODE_TAIL_WAVES waves), which take the table's
+    64 keys: the cases `DECODE_TAIL_WAVES`' comment measured. FP8 caches and D 128 are untouched."""
+    from flashmoe_science.attention.configs import decode_config
+    h100 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
+
+    def keys(batch, seqlen, block_d=64, cache=None):
+        return decode_config(h100, 2, block_d, 4, cache, tiles=batch * 8, capacity=seqlen).block_n
+
+    assert [keys(b, 4096) for b in (1, 8, 16, 32, 40, 48)] == [128] * 6
+    assert [keys(b, 4096) for b in (56, 64)] == [64, 64] and keys(64, 1024) == keys(64, 32768) == 64
+    assert [keys(b, 4096) for b in (96, 128)] == [128, 128]
+    assert keys(64, 4096, block_d=128) == 64 and keys(64, 4096, cache=1) == 128
+    assert decode_config(None, 2, 64, 4).block_n == 128  # no device: the table's tile

@@ -435,6 +435,16 @@ def dkdv_maxnreg(dkdv: AttentionConfig, tma: bool, softcap: bool, varlen: bool) 
 # 2 stages; B 64, Sk 4k, D 64 146 against 163).
 DECODE = {2: AttentionConfig(64, 64, 4, 2), 4: AttentionConfig(32, 32, 4, 2)}
 DECODE_FP8_CACHE_EXTRA_STAGES = 1
+# At a head dim of 64 or less (the doubled key block, three programs an SM on Hopper), a grid that
+# overflows one resident wave by at most half of one leaves a tail of few programs streaming the
+# last caches; the table's undoubled block (six an SM) fits it in one wave. H100, bf16, Hq 32,
+# Hkv 8, D 64, one split, GPU time per call in CUDA graphs, 128 against 64 keys a block,
+# contiguous / pages of 16: B 56, Sk 4k (1.13 waves) 171 / 218 against 163 / 178 us; B 64 (1.29)
+# 188 / 229 against 182 / 193; B 64, Sk 1k 50.6 / 59.3 against 48.4 / 52.7; B 64, Sk 32k 1474 /
+# 1719 against 1396 / 1483. Where the doubled block fits one wave (B 40 and 48: 0.81, 0.97) or
+# takes two or more (B 96: 1.94, B 128: 2.59) it is as fast or faster, paged by up to 20%
+# (B 96: 283 against 353).
+DECODE_TAIL_WAVES = 1.5
 DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
 # The combine kernel: one program per row, the splits' partials DECODE_COMBINE_SPLITS at a time
 # ([16, 256] fp32 over four warps: 32 registers a thread), so one long sequence's many splits are
@@ -474,15 +484,39 @@ def takes_decode(element_size: int, seqlen_q: int, group_size: int, seqlen_k: in
 
 
 def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int,
-                  cache_element_size: int | None = None) -> AttentionConfig:
+                  cache_element_size: int | None = None, tiles: int = 0, capacity: int = 0) -> AttentionConfig:
     """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head), q of
-    `element_size` bytes, the cache of `cache_element_size` (q's when None; 1 for FP8)."""
+    `element_size` bytes, the cache of `cache_element_size` (q's when None; 1 for FP8). Given the
+    call's `tiles` (batch x KV heads x row blocks) and cache `capacity` on `device`, a 16-bit
+    call at a head dim of 64 or less keeps the table's doubled key block only where its programs
+    do not just overflow one resident wave (DECODE_TAIL_WAVES)."""
     base = DECODE[element_size]
     limit = DECODE_MAX_BLOCK_M[element_size] if block_d <= 128 else 16 if element_size == 4 else 32
     block_m = min(limit, max(16, 1 << max(rows - 1, 0).bit_length()))
     block_n = base.block_n * 2 if block_d <= 64 else base.block_n if block_d <= 128 else base.block_n // 2
     stages = base.num_stages + (DECODE_FP8_CACHE_EXTRA_STAGES if cache_element_size == 1 else 0)
-    return AttentionConfig(block_m, block_n, base.num_warps, stages)
+    cfg = AttentionConfig(block_m, block_n, base.num_warps, stages)
+    if device is None or not tiles or element_size != 2 or block_n == base.block_n or cache_element_size not in (
+            None, element_size):
+        return cfg
+    narrow = AttentionConfig(block_m, base.block_n, base.num_warps, stages)
+    if 1 < _decode_waves(device, cfg, element_size, block_d, tiles, capacity) <= DECODE_TAIL_WAVES and \
+            _decode_waves(device, narrow, element_size, block_d, tiles, capacity) <= 1:
+        return narrow
+    return cfg
+
+
+def _decode_waves(device: DeviceInfo, cfg: AttentionConfig, element_size: int, block_d: int, tiles: int,
+                  capacity: int) -> float:
+    """How many waves of resident programs the split kernel's grid takes on `device`: its
+    programs (tiles times the split count) over the SMs times the programs an SM's shared memory
+    holds (the pipeline's K and V tiles, num_stages buffers on Hopper and one fewer elsewhere,
+    and the query tile)."""
+    buffers = cfg.num_stages if device.arch_family == 90 else max(cfg.num_stages - 1, 1)
+    smem = element_size * block_d * (2 * cfg.block_n * buffers + cfg.block_m)
+    per_sm = max(device.shared_memory_per_block // smem, 1)
+    programs = tiles * decode_splits(device, tiles, capacity, cfg.block_n)
+    return programs / (device.sm_count * per_sm)
 
 
 def decode_splits(device: DeviceInfo, tiles: int, capacity: int, block_n: int) -> int:
@@ -506,4 +540,7 @@ def decode_configs(cache_element_size: int | None = None):
             cfg = decode_config(None, element_size, block_d, rows, cache_element_size)
             if cfg.block_m == rows:
                 yield element_size, block_d, cfg
+                if element_size == 2 and block_d <= 64 and cache_element_size is None:  # the one-wave key block
+                    yield element_size, block_d, AttentionConfig(rows, DECODE[2].block_n, cfg.num_warps,
+                                                                 cfg.num_stages)
 

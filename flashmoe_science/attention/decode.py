@@ -187,12 +187,15 @@ class DecodePlan:
         group = heads_q // heads_kv
         self.rows = seqlen_q * group
         self.block_d = head_dim_block(head_dim)
+        self.capacity = _capacity(k_cache, block_table)
+        # the row blocks do not depend on the key block: the table's BLOCK_M for these rows
+        tiles = batch * heads_kv * cdiv(self.rows, decode_config(None, q.element_size(), self.block_d,
+                                                                  self.rows).block_m)
         cfg = self.config = config or decode_config(info_for(q), q.element_size(), self.block_d, self.rows,
-                                                    k_cache.element_size())
+                                                    k_cache.element_size(), tiles, self.capacity)
         self.block_m = cfg.block_m
         num_m_blocks = cdiv(self.rows, self.block_m)
         self.rows_padded = num_m_blocks * self.block_m
-        self.capacity = _capacity(k_cache, block_table)
         splits = num_splits or decode_splits(info_for(q), batch * heads_kv * num_m_blocks, self.capacity, cfg.block_n)
         splits = max(1, min(splits, cdiv(max(self.capacity, 1), cfg.block_n)))
         self.split_len = cdiv(cdiv(max(self.capacity, 1), splits), cfg.block_n) * cfg.block_n

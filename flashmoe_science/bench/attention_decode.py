@@ -11,7 +11,9 @@ GRAPH_MAX_BYTES (the short and middle caches, where a call's time is latency rat
 bandwidth), ours (contiguous) and each SDPA backend that ran are also timed as a serving
 framework runs them: one CUDA graph of GRAPH_LAYERS calls, each layer's against its own cache,
 replayed (`graph_us`: per layer, no host time and no launch gaps; SDPA's fastest there, its
-`graph_backend`, need not be the eager winner, whose samples can wait on the host).
+`graph_backend`, need not be the eager winner, whose samples can wait on the host); the paged
+layouts too, each layer's cache paged on its own (`graph_vs_contiguous`: their time over the
+contiguous cache's, which eager samples of such short calls cannot tell from host noise).
 `ours_fp8_cache`: the contiguous cache in FP8 (e4m3, one descale per sequence and KV head), its
 time against the bf16 cache's and its own copy floor (half the bytes), its error against float64
 of the bf16 cache. Without a GPU: a tiny grid through the interpreter, errors only; `--quick`:
@@ -76,9 +78,10 @@ def _fp8_cache(cache):
 
 
 def graph_us_per_call(call, caches, *, warmup_ms, rep_ms, repeats) -> float:
-    """GPU time per call of one CUDA graph of `call(k_cache, v_cache)` over each layer's caches
-    (each layer's own, so the L2 holds none of the next one's)."""
-    replay = graph_replay(lambda: [call(k_cache, v_cache) for k_cache, v_cache in caches])
+    """GPU time per call of one CUDA graph of `call(*layer)` over each layer's caches, e.g.
+    (k_cache, v_cache), or with a block table (each layer's own, so the L2 holds none of the next
+    one's)."""
+    replay = graph_replay(lambda: [call(*layer) for layer in caches])
     t = time_gpu(replay, warmup_ms=warmup_ms, rep_ms=rep_ms, repeats=repeats)
     return t.median_ms * 1e3 / len(caches)
 
@@ -171,6 +174,14 @@ def run(args, device) -> list[dict]:
                 sdpa_row["graph_backend"] = min(graph_us, key=graph_us.get)
                 sdpa_row["graph_us"] = graph_us[sdpa_row["graph_backend"]]
                 ours_rows[0]["graph_speedup_vs_sdpa"] = sdpa_row["graph_us"] / ours_rows[0]["graph_us"]
+                for row in ours_rows[1:]:  # the paged layouts, each layer's cache paged on its own
+                    page_size = int(row["impl"].removeprefix("ours_paged"))
+                    paged = [paged_copy(k, v, page_size, generator) for k, v in caches]
+                    row["graph_us"] = graph_us_per_call(
+                        lambda k, v, t: flash_attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=t),
+                        paged, **timing)
+                    row["graph_vs_contiguous"] = row["graph_us"] / ours_rows[0]["graph_us"]
+                    del paged
                 del caches
         args.checkpoint(rows)
     return rows

@@ -120,8 +120,9 @@ def _graph_cell(ours, sdpa) -> str:
 
 def _attention_decode(rows) -> str:
     out = ["| B | Sk | Hq / Hkv / D | ours | paged 16 | paged 256 | SDPA best | floor | copy share | "
-           "SDPA / ours | CUDA graph: ours / SDPA µs | FP8 cache µs (time / bf16 cache's) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "SDPA / ours | CUDA graph: ours / SDPA µs | CUDA graph: paged 16 / 256 time over contiguous | "
+           "FP8 cache µs (time / bf16 cache's) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cases: dict = {}
     for r in rows:
         cases.setdefault((r["heads_q"], r["heads_kv"], r["head_dim"], r["batch"], r["seqlen"]), {})[r["impl"]] = r
@@ -133,8 +134,14 @@ def _attention_decode(rows) -> str:
                    f"{_fmt(ours['floor_us'], 1) if ours else ''} | "
                    f"{_fmt(ours['floor_us'] / ours['us'], 2) if ours else ''} | "
                    f"{_ratio_ci(ours, 'speedup_vs_sdpa') if ours else ''} | "
-                   f"{_graph_cell(ours, sdpa)} | {_fp8_cache_cell(impls.get('ours_fp8_cache'))} |")
+                   f"{_graph_cell(ours, sdpa)} | {_paged_graph_cell(impls)} | "
+                   f"{_fp8_cache_cell(impls.get('ours_fp8_cache'))} |")
     return "\n".join(out) + "\n"
+
+
+def _paged_graph_cell(impls) -> str:
+    ratios = [impls.get(i, {}).get("graph_vs_contiguous") for i in ("ours_paged16", "ours_paged256")]
+    return " / ".join(_fmt(r, 2) for r in ratios) if all(r is not None for r in ratios) else ""
 
 
 def _fp8_cache_cell(r) -> str:
