@@ -176,7 +176,7 @@ def test_decode_key_block_fits_a_tail_into_one_wave():
     h100 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
 
     def keys(batch, seqlen, block_d=64, cache=None):
-        return decode_config(h100, 2, block_d, 4, cache, tiles=batch * 8, capacity=seqlen).block_n
+        return decode_config(h100, 2, block_d, 4, cache, sequence_heads=batch * 8, capacity=seqlen).block_n
 
     assert [keys(b, 4096) for b in (1, 8, 16, 32, 40, 48)] == [128] * 6
     assert [keys(b, 4096) for b in (56, 64)] == [64, 64] and keys(64, 1024) == keys(64, 32768) == 64

@@ -484,21 +484,23 @@ def takes_decode(element_size: int, seqlen_q: int, group_size: int, seqlen_k: in
 
 
 def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int,
-                  cache_element_size: int | None = None, tiles: int = 0, capacity: int = 0) -> AttentionConfig:
+                  cache_element_size: int | None = None, sequence_heads: int = 0,
+                  capacity: int = 0) -> AttentionConfig:
     """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head), q of
     `element_size` bytes, the cache of `cache_element_size` (q's when None; 1 for FP8). Given the
-    call's `tiles` (batch x KV heads x row blocks) and cache `capacity` on `device`, a 16-bit
-    call at a head dim of 64 or less keeps the table's doubled key block only where its programs
-    do not just overflow one resident wave (DECODE_TAIL_WAVES)."""
+    call's `sequence_heads` (batch x KV heads) and cache `capacity` on `device`, a 16-bit call at
+    a head dim of 64 or less keeps the table's doubled key block only where its programs do not
+    just overflow one resident wave (DECODE_TAIL_WAVES)."""
     base = DECODE[element_size]
     limit = DECODE_MAX_BLOCK_M[element_size] if block_d <= 128 else 16 if element_size == 4 else 32
     block_m = min(limit, max(16, 1 << max(rows - 1, 0).bit_length()))
     block_n = base.block_n * 2 if block_d <= 64 else base.block_n if block_d <= 128 else base.block_n // 2
     stages = base.num_stages + (DECODE_FP8_CACHE_EXTRA_STAGES if cache_element_size == 1 else 0)
     cfg = AttentionConfig(block_m, block_n, base.num_warps, stages)
-    if device is None or not tiles or element_size != 2 or block_n == base.block_n or cache_element_size not in (
-            None, element_size):
+    if device is None or not sequence_heads or element_size != 2 or block_n == base.block_n or \
+            cache_element_size not in (None, element_size):
         return cfg
+    tiles = sequence_heads * -(-rows // block_m)
     narrow = AttentionConfig(block_m, base.block_n, base.num_warps, stages)
     if 1 < _decode_waves(device, cfg, element_size, block_d, tiles, capacity) <= DECODE_TAIL_WAVES and \
             _decode_waves(device, narrow, element_size, block_d, tiles, capacity) <= 1:

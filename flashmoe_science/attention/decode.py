@@ -188,11 +188,8 @@ class DecodePlan:
         self.rows = seqlen_q * group
         self.block_d = head_dim_block(head_dim)
         self.capacity = _capacity(k_cache, block_table)
-        # the row blocks do not depend on the key block: the table's BLOCK_M for these rows
-        tiles = batch * heads_kv * cdiv(self.rows, decode_config(None, q.element_size(), self.block_d,
-                                                                  self.rows).block_m)
         cfg = self.config = config or decode_config(info_for(q), q.element_size(), self.block_d, self.rows,
-                                                    k_cache.element_size(), tiles, self.capacity)
+                                                    k_cache.element_size(), batch * heads_kv, self.capacity)
         self.block_m = cfg.block_m
         num_m_blocks = cdiv(self.rows, self.block_m)
         self.rows_padded = num_m_blocks * self.block_m
