@@ -181,11 +181,12 @@ def test_calls_section_rows_and_report():
     rows = result["rows"]
     assert [r["impl"] for r in rows] == list(attention.train_attentions())
     for r in rows:
-        assert r["mode"] == "fwd+bwd" and r["wall_us"] > 0
-        assert (r["ours_speedup"] is None) == (r["impl"] == "sdpa_default")
+        assert r["mode"] == "fwd+bwd" and 0 < r["host_us"] <= r["wall_us"]
+        assert (r["ours_speedup"] is None) == (r["impl"] == "sdpa_default") == ("host_vs_sdpa" not in r)
     assert "calls fwd+bwd (B, H, S, D) = (1, 2, 24, 32)" in attention.summarize(result)
     rendered = report.render(result["name"], result)
     assert "| B, H, S, D | ours packed µs/call | ours on views µs/call | SDPA µs/call |" in rendered
+    assert "host µs/call: ours packed / ours on views / SDPA | ours packed host time / SDPA's |" in rendered
     assert "| 1, 2, 24, 32 |" in rendered
 
 

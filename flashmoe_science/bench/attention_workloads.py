@@ -275,18 +275,24 @@ def _calls(args, device, work: Workload):
         calls = {name: (lambda attention=attention: torch.autograd.grad(attention(qkv), qkv, grad) if backward
                         else attention(qkv)) for name, attention in train_attentions().items()}
         samples = {name: [] for name in calls}
+        host = {name: [] for name in calls}
         for _ in range(2 if interp else max(args.repeats, CALL_ROUNDS)):  # the sides alternate, as in train
             for name, call in calls.items():
-                samples[name] += time_wall(call, calls=3 if interp else 100, repeats=1).samples
+                samples[name] += time_wall(call, calls=3 if interp else 100, repeats=1, host_samples=host[name]).samples
         timings = {name: Timing.from_samples(s) for name, s in samples.items()}
         for name, wall in timings.items():
+            issue = Timing.from_samples(host[name])
             row = dict(section="calls", mode="fwd+bwd" if backward else "fwd", impl=name, batch=batch, heads=heads,
                        seqlen=seqlen, head_dim=head_dim, causal=True, dtype=str(work.dtype).replace("torch.", ""),
                        wall_us=wall.median_ms * 1e3, wall_us_ci=[wall.lo_ms * 1e3, wall.hi_ms * 1e3],
+                       host_us=issue.median_ms * 1e3, host_us_ci=[issue.lo_ms * 1e3, issue.hi_ms * 1e3],
                        ours_speedup=None)
             if name != "sdpa_default":
                 speed, lo, hi = paired_speedup_interval(samples[name], samples["sdpa_default"])
                 row.update(ours_speedup=speed, ours_speedup_ci=[lo, hi])
+                # host time over SDPA's (below 1: ours issues a call in less host time)
+                ratio, lo, hi = paired_speedup_interval(host["sdpa_default"], host[name])
+                row.update(host_vs_sdpa=ratio, host_vs_sdpa_ci=[lo, hi])
             rows.append(row)
         args.checkpoint(rows)
     return rows

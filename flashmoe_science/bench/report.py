@@ -196,7 +196,8 @@ def render_attention(name: str, result: dict) -> str:
         what = "forward" if calls[0]["mode"] == "fwd" else "forward and backward through autograd"
         parts.append(f"\nAttention calls ({calls[0]['mode']}, causal, {calls[0]['dtype']}) from a QKV projection's "
                      f"output (B, S, 3, H, D), {what}, back to back: wall-clock per call (host and GPU, what a "
-                     "user feels) and SDPA's over ours with 95% intervals:\n\n"
+                     "user feels) and SDPA's over ours with 95% intervals; where measured, the host's time to "
+                     "issue a call (until it returns, before the GPU is waited for) and ours over SDPA's:\n\n"
                      + _attention_calls(calls))
     return "".join(parts)
 
@@ -209,13 +210,19 @@ def _attention_calls(rows) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     ours = [i for i in impls if i != "sdpa_default"]
     names = {"ours_packed": "ours packed", "ours": "ours on views", "sdpa_default": "SDPA"}
+    host = any("host_us" in r for r in rows)  # the host's share, where the run measured it
     head = (["B, H, S, D"] + [f"{names.get(i, i)} µs/call" for i in impls]
-            + [f"{names.get(i, i)} / SDPA" for i in ours])
+            + [f"{names.get(i, i)} / SDPA" for i in ours]
+            + ([f"host µs/call: {' / '.join(names.get(i, i) for i in impls)}"]
+               + [f"{names.get(i, i)} host time / SDPA's" for i in ours] if host else []))
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for shape, by in grid.items():
         cells = [", ".join(map(str, shape))]
         cells += [f"{by[i]['wall_us']:.0f}" if i in by else "" for i in impls]
         cells += [_ratio_ci(by[i]) if i in by else "" for i in ours]
+        if host:
+            cells.append(" / ".join(_fmt(by.get(i, {}).get("host_us")) for i in impls))
+            cells += [_ratio_ci(by[i], "host_vs_sdpa") if i in by else "" for i in ours]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 

@@ -74,8 +74,11 @@ def graph_replay(fn):
     return graph.replay
 
 
-def time_wall(fn, *, calls: int = 200, repeats: int = 5) -> Timing:
-    """Wall-clock per call, host and GPU together: `calls` back-to-back calls between syncs."""
+def time_wall(fn, *, calls: int = 200, repeats: int = 5, host_samples: list | None = None) -> Timing:
+    """Wall-clock per call, host and GPU together: `calls` back-to-back calls between syncs.
+    `host_samples`, a list, also receives each repeat's host time per call: until the last call
+    returns, before the synchronisation (what the host spends issuing a call, while the GPU queue
+    has room)."""
     fn()
     synchronize()
     samples = []
@@ -84,8 +87,11 @@ def time_wall(fn, *, calls: int = 200, repeats: int = 5) -> Timing:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        issued = time.perf_counter()
         synchronize()
         samples.append((time.perf_counter() - start) * 1e3 / calls)
+        if host_samples is not None:
+            host_samples.append((issued - start) * 1e3 / calls)
     return Timing.from_samples(samples)
 
 
