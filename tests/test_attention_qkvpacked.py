@@ -154,6 +154,30 @@ def test_bad_input_raises_clear_error(args, kwargs, error, match, device):
         flash_attention_qkvpacked(*args, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"causal": 1}, TypeError, "causal must be a bool"),
+    ({"window_size": (1.0, 2)}, TypeError, "window_size must be a pair of ints"),
+    ({"window_size": (-2, 0)}, ValueError, "window_size entries must be >= 0"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite"),
+    ({"softcap": True}, TypeError, "softcap must be a float"),
+    ({"return_lse": 1}, TypeError, "return_lse must be a bool"),
+    ({"deterministic": 0}, TypeError, "deterministic must be a bool"),
+    ({"num_kv_heads": 1.0}, ValueError, "num_kv_heads must be a positive int"),
+])
+def test_a_call_like_a_checked_one_is_still_checked(kwargs, error, match, device):
+    """A call whose tensor facts match an earlier, valid call reuses that call's plans; options
+    equal to the valid ones but of another type (1 == True, (1.0, 2) == (1, 2)), or invalid, are
+    still refused with the usual error, before and after a call with the same tensor."""
+    qkv = torch.randn(1, 16, 6, 16, device=device, requires_grad=True)
+    good = dict(causal=True, window_size=(1, 2), softmax_scale=0.5, softcap=0.0, return_lse=False,
+                deterministic=False, num_kv_heads=1 if "num_kv_heads" in kwargs else None)
+    expected = flash_attention_qkvpacked(qkv, **good)
+    for _ in range(2):
+        with pytest.raises(error, match=match):
+            flash_attention_qkvpacked(qkv, **{**good, **kwargs})
+        assert torch.equal(flash_attention_qkvpacked(qkv, **good), expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_descriptor_kernels_write_into_dqkv(D):

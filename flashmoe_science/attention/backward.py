@@ -234,15 +234,21 @@ def attention_backward(grad_output, q, k, v, out, lse, causal: bool, softmax_sca
     `grad_lse` is lse's own gradient (see `launch_backward`). `config` forces a BackwardConfig (for
     tuning sweeps); such calls take Triton's ordinary, uncached launch path.
     """
-    tensors = (grad_output, q, k, v, out, lse)
-    grad_strides = None if grads is None else tuple(t.stride() for t in grads)
     check_options(causal, softmax_scale)  # every call, as in `attention_forward`
     window_size = check_band(window_size, softcap)
+    plan, key = backward_plan(grad_output, q, k, v, out, lse, causal, window_size, softcap, config, grads)
+    return launch_backward(plan, key, grad_output, q, k, v, out, lse, None, None, softmax_scale, grad_lse, None, grads)
+
+
+def backward_plan(grad_output, q, k, v, out, lse, causal, window_size, softcap, config=None, grads=None):
+    """(plan, key) of a dense backward whose options are checked, as `forward.forward_plan`."""
+    tensors = (grad_output, q, k, v, out, lse)
+    grad_strides = None if grads is None else tuple(t.stride() for t in grads)
     key = plan = None
     if config is None:
         try:  # with `grads`, their strides and alignment join the key: the kernels specialise on both
             key = plan_key(tensors, causal, window_size, softcap, grad_strides,
-                                grads and tuple(t.data_ptr() % 16 for t in grads))
+                           grads and tuple(t.data_ptr() % 16 for t in grads))
             plan = PLANS.get(key)
         except AttributeError:  # not tensors: the checks say which
             key = None
@@ -250,7 +256,7 @@ def attention_backward(grad_output, q, k, v, out, lse, causal: bool, softmax_sca
         check_inputs(q, k, v)
         check_backward_tensors(grad_output, q, v, out, lse, q.shape[:3], "(batch, heads_q, seqlen_q)")
         plan = BackwardPlan(tensors, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, False,
-                             config, grad_strides)
+                            config, grad_strides)
         if key is not None:
             PLANS.remember(key, plan)
-    return launch_backward(plan, key, grad_output, q, k, v, out, lse, None, None, softmax_scale, grad_lse, None, grads)
+    return plan, key

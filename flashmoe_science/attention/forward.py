@@ -248,6 +248,14 @@ def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_
     # causal=1 equal to True and window (1.0, 2) equal to (1, 2)); the tensors' facts are the key.
     check_options(causal, softmax_scale)
     window_size = check_band(window_size, softcap)
+    plan, key = forward_plan(q, k, v, causal, window_size, softcap, write_lse, config, descales is not None)
+    return launch_forward(plan, key, q, k, v, None, None, softmax_scale, write_lse, descales=descales)
+
+
+def forward_plan(q, k, v, causal, window_size, softcap, write_lse, config=None, fp8=False):
+    """(plan, key) of a dense call whose options are checked (`window_size` as `check_band`
+    returns it): the cached plan of the tensors' facts, or a new one after checking them; key None
+    (Triton's ordinary launch path) with a forced `config` or arguments that are not tensors."""
     key = plan = None
     if config is None:
         try:
@@ -256,15 +264,15 @@ def attention_forward(q, k, v, causal: bool, softmax_scale: float | None, write_
         except AttributeError:  # not tensors: the checks say which
             key = None
     if plan is None:
-        check_inputs(q, k, v, fp8=descales is not None)
+        check_inputs(q, k, v, fp8=fp8)
         plan = ForwardPlan(q, k, v, q.shape[0], q.shape[2], k.shape[2], causal, window_size, softcap, write_lse,
                             False, config)
         if key is not None:
             PLANS.remember(key, plan)
-    if plan.fp8 != (descales is not None):  # a cached plan's fast path too: never FP8 bytes read as 16-bit
+    if plan.fp8 != fp8:  # a cached plan's fast path too: never FP8 bytes read as 16-bit
         raise TypeError("FP8 q, k, v run through flash_attention_science or flash_attention_forward with their "
                         "descales; other dtypes take no descales")
-    return launch_forward(plan, key, q, k, v, None, None, softmax_scale, write_lse, descales=descales)
+    return plan, key
 
 
 def attention_forward_hopper(q, k, v, causal: bool, softmax_scale: float, config, *, gluon: bool = False,

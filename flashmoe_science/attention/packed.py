@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..device import check_runnable
-from .backward import attention_backward
-from .checks import DTYPES, NO_WINDOW, check_flags, is_int
-from .forward import attention_forward
+from ..launch import PlanCache
+from .backward import backward_plan, launch_backward
+from .checks import DTYPES, NO_WINDOW, check_band, check_flags, check_options, is_int
+from .forward import forward_plan, launch_forward
 from .interface import flash_attention_science, refuse_double_backward
 from .layouts import dense_strides
 
@@ -60,17 +61,87 @@ def _split(qkv, heads_q, heads_kv):
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
+class _PackedCall:
+    """What a packed call's checked arguments decide: the heads, the window as `check_band` returns
+    it, dQKV's strides, and the plans and launch keys of the forward (per write_lse) and of the
+    backward (per layout of the output's gradient). Kept under the call's facts (`_call_key`) by
+    `_packed_call`, so a training loop's later calls skip the checks and the plans' own keys."""
+
+    __slots__ = ("heads_q", "heads_kv", "causal", "window_size", "softcap", "grad_strides", "cached", "forwards",
+                 "backwards")
+
+    def __init__(self, qkv4, heads_q, heads_kv, causal, window_size, softcap, cached):
+        self.heads_q, self.heads_kv = heads_q, heads_kv
+        self.causal, self.window_size, self.softcap = causal, window_size, softcap
+        # dQKV: qkv's own layout where it is dense (the projection's output), else dense in its order
+        self.grad_strides = dense_strides(qkv4.shape, qkv4.stride())
+        self.cached = cached  # under `_call_key`: then the views' facts, and so their plans, are fixed
+        self.forwards, self.backwards = {}, {}
+
+    def forward(self, q, k, v, write_lse):
+        plan = self.forwards.get(write_lse)
+        if plan is None:
+            plan = forward_plan(q, k, v, self.causal, self.window_size, self.softcap, write_lse)
+            if self.cached and plan[1] is not None:
+                self.forwards[write_lse] = plan
+        return plan
+
+    def backward(self, grad_out, q, k, v, out, lse, grads):
+        facts = (grad_out.stride(), grad_out.dtype, grad_out.data_ptr() % 16)  # its shape is out's
+        plan = self.backwards.get(facts)
+        if plan is None:
+            plan = backward_plan(grad_out, q, k, v, out, lse, self.causal, self.window_size, self.softcap,
+                                 grads=grads)
+            if self.cached and plan[1] is not None:
+                self.backwards[facts] = plan
+        return plan
+
+
+CALLS = PlanCache()
+
+
+def _call_key(qkv, num_kv_heads, causal, softmax_scale, window_size, softcap, return_lse, deterministic):
+    """The facts that fix a packed call's checks and plans: qkv's shape, strides, dtype, device and
+    alignment, and each option with its type (the checks tell 1 from True and (1.0, 2) from
+    (1, 2), which compare equal); None where the arguments cannot key a call (checked in full)."""
+    if type(qkv) is not torch.Tensor or type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    left, right = window_size
+    return (qkv.shape, qkv.stride(), qkv.dtype, qkv.device, qkv.data_ptr() % 16, type(num_kv_heads), num_kv_heads,
+            type(causal), causal, type(softmax_scale), softmax_scale, type(left), left, type(right), right,
+            type(softcap), softcap, type(return_lse), return_lse, type(deterministic), deterministic)
+
+
+def _packed_call(qkv, num_kv_heads, causal, softmax_scale, window_size, softcap, return_lse, deterministic):
+    """(qkv as (B, S, Hq + 2 * Hkv, D) with unit stride in D, its `_PackedCall`): checked in full
+    unless a call with the same facts was (`_call_key`)."""
+    key = _call_key(qkv, num_kv_heads, causal, softmax_scale, window_size, softcap, return_lse, deterministic)
+    call = CALLS.get(key) if key is not None else None
+    if call is not None:
+        return (qkv.flatten(2, 3) if qkv.dim() == 5 else qkv), call
+    check_flags(deterministic, return_lse)
+    qkv4, heads_q, heads_kv = _heads(qkv, num_kv_heads)
+    check_options(causal, softmax_scale)
+    window_size = check_band(window_size, softcap)
+    cached = key is not None and qkv4.stride(-1) == 1
+    if not cached:
+        qkv4 = qkv4.contiguous()
+    call = _PackedCall(qkv4, heads_q, heads_kv, causal, window_size, softcap, cached)
+    if cached:
+        CALLS.remember(key, call)
+    return qkv4, call
+
+
 class _PackedFunction(torch.autograd.Function):
     """Eager autograd over the kernels, whose backward writes into views of one dQKV tensor."""
 
     @staticmethod
-    def forward(ctx, qkv, heads_q, heads_kv, causal, softmax_scale, window_size, softcap):
-        q, k, v = _split(qkv, heads_q, heads_kv)
-        out, lse = attention_forward(q, k, v, causal, softmax_scale, True, None, window_size, softcap)
+    def forward(ctx, qkv, call, softmax_scale):
+        q, k, v = _split(qkv, call.heads_q, call.heads_kv)
+        plan, key = call.forward(q, k, v, True)
+        out, lse = launch_forward(plan, key, q, k, v, None, None, softmax_scale, True)
         ctx.save_for_backward(q, k, v, out, lse)
-        # dQKV: qkv's own layout where it is dense (the projection's output), else dense in its order
-        ctx.options = (qkv.shape, dense_strides(qkv.shape, qkv.stride()), heads_q, heads_kv, causal, softmax_scale,
-                       window_size, softcap)
+        ctx.options = (qkv.shape, call, softmax_scale)
         ctx.set_materialize_grads(False)
         return out.transpose(1, 2), lse
 
@@ -78,12 +149,13 @@ class _PackedFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         refuse_double_backward("flash_attention_qkvpacked")
         q, k, v, out, lse = ctx.saved_tensors
-        shape, strides, heads_q, heads_kv, causal, softmax_scale, window_size, softcap = ctx.options
+        shape, call, softmax_scale = ctx.options
         grad_out = torch.zeros_like(out) if grad_out is None else grad_out.transpose(1, 2)
-        dqkv = torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)
-        attention_backward(grad_out, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, grad_lse,
-                           grads=_split(dqkv, heads_q, heads_kv))
-        return dqkv, None, None, None, None, None, None
+        dqkv = torch.empty_strided(shape, call.grad_strides, dtype=q.dtype, device=q.device)
+        grads = _split(dqkv, call.heads_q, call.heads_kv)
+        plan, key = call.backward(grad_out, q, k, v, out, lse, grads)
+        launch_backward(plan, key, grad_out, q, k, v, out, lse, None, None, softmax_scale, grad_lse, None, grads)
+        return dqkv, None, None
 
 
 def flash_attention_qkvpacked(qkv, causal=False, softmax_scale=None, *, num_kv_heads=None, window_size=NO_WINDOW,
@@ -111,18 +183,22 @@ def flash_attention_qkvpacked(qkv, causal=False, softmax_scale=None, *, num_kv_h
         out (B, S, Hq, D), contiguous (reshape it to (B, S, Hq * D) for the output projection
         without a copy), or (out, lse) when return_lse.
     """
-    check_flags(deterministic, return_lse)
-    qkv4, heads_q, heads_kv = _heads(qkv, num_kv_heads)
-    if qkv4.stride(-1) != 1:
-        qkv4 = qkv4.contiguous()
     if torch.compiler.is_compiling():
+        check_flags(deterministic, return_lse)
+        qkv4, heads_q, heads_kv = _heads(qkv, num_kv_heads)
+        if qkv4.stride(-1) != 1:
+            qkv4 = qkv4.contiguous()
         out, lse = flash_attention_science(*_split(qkv4, heads_q, heads_kv), causal, softmax_scale,
                                            window_size=window_size, softcap=softcap, return_lse=True)
         out = out.transpose(1, 2)
-    elif torch.is_grad_enabled() and qkv4.requires_grad:
-        out, lse = _PackedFunction.apply(qkv4, heads_q, heads_kv, causal, softmax_scale, window_size, softcap)
     else:
-        out, lse = attention_forward(*_split(qkv4, heads_q, heads_kv), causal, softmax_scale, return_lse, None,
-                                     window_size, softcap)
-        out = out.transpose(1, 2)
+        qkv4, call = _packed_call(qkv, num_kv_heads, causal, softmax_scale, window_size, softcap, return_lse,
+                                  deterministic)
+        if torch.is_grad_enabled() and qkv4.requires_grad:
+            out, lse = _PackedFunction.apply(qkv4, call, softmax_scale)
+        else:
+            q, k, v = _split(qkv4, call.heads_q, call.heads_kv)
+            plan, key = call.forward(q, k, v, return_lse)
+            out, lse = launch_forward(plan, key, q, k, v, None, None, softmax_scale, return_lse)
+            out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
