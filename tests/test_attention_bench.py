@@ -219,3 +219,24 @@ def test_decode_report_has_each_layout_and_the_graph_timings():
     rendered = report.render("attention_decode", {"rows": rows, "meta": {"mode": "decode"}})
     assert "| 1 | 4096 | 32 / 8 / 128 | 20.0 | 22.0 |  | 19.0 (sdpa_cudnn) | 5.6 | 0.28 |" in rendered
     assert "| 9.0 / 10.8 (1.20x) |" in rendered
+
+
+def test_headline_decode_row_reads_both_batches_graph_times(tmp_path):
+    """The README's KV-cache decode row: Qwen3's shapes at batch 1 and 32, per layer of the CUDA
+    graph, ours against SDPA's fastest backend there; no row unless both batches have graph times."""
+    import json
+
+    def rows(batches):
+        out = []
+        for b in batches:
+            case = dict(section="decode", batch=b, seqlen=4096, heads_q=32, heads_kv=4, head_dim=128)
+            out += [dict(case, impl="ours", us=20.0 * b, graph_us=10.0 * b),
+                    dict(case, impl="sdpa_best", us=21.0 * b, graph_us=12.0 * b, graph_backend="sdpa_cudnn")]
+        return out
+
+    path = tmp_path / "attention_decode.json"
+    path.write_text(json.dumps(dict(meta=dict(gpu="probe"), rows=rows((1, 32)))))
+    assert ("| attention decode, KV cache, CUDA graph | Hq 32 / Hkv 4 / D 128 (qwen3-30b-a3b), Sk 4096, batch 1 / 32 "
+            "| 10.0 / 320.0 µs a layer | 12.0 / 384.0 (SDPA cuDNN) | 1.20x / 1.20x |") in report.render_headline(tmp_path)
+    path.write_text(json.dumps(dict(meta=dict(gpu="probe"), rows=rows((1,)))))
+    assert "attention decode" not in report.render_headline(tmp_path)

@@ -548,6 +548,9 @@ def render_moe_train(name: str, result: dict) -> str:
 _HEADLINE_ATTENTION = ((128, True, 4096), (128, True, 16384))
 _HEADLINE_FP8_ATTENTION = ((128, False, 16384), (256, False, 16384))
 _HEADLINE_MOE = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 16384))
+# KV-cache decode: Qwen3-30B-A3B's attention (Hq 32, Hkv 4, D 128) against 4096 cached tokens at batch
+# 1 and 32 (`bench.attention_decode.MODEL_CASES`), per layer of a 32-layer CUDA graph.
+_HEADLINE_DECODE = ((32, 4, 128, 4096), (1, 32))
 # transformers models end to end: training step and prefill; decoding with a static cache under CUDA
 # graphs (eager `generate`, bound by the host, and the other models: docs/benchmarks.md).
 _HEADLINE_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b")
@@ -593,6 +596,21 @@ def render_headline(results_dir) -> str:
                 out.append(f"| attention forward, FP8 | D={head_dim} S={seqlen}{' causal' if causal else ''} | "
                            f"{ours['tflops']:.0f} TFLOP/s | {theirs['tflops']:.0f} (SDPA cuDNN, bf16; no FP8 in "
                            f"PyTorch) | {ours['tflops'] / theirs['tflops']:.2f}x | `attention_fp8.json` |")
+    result = _load(results_dir, "attention_decode")
+    if result is not None:
+        (heads_q, heads_kv, head_dim, seqlen), batches = _HEADLINE_DECODE
+        by = {(r["batch"], r["impl"]): r for r in result["rows"] if r.get("graph_us") is not None
+              and (r["heads_q"], r["heads_kv"], r["head_dim"], r["seqlen"]) == (heads_q, heads_kv, head_dim, seqlen)}
+        pairs = [(by[b, "ours"], by[b, "sdpa_best"]) for b in batches if (b, "ours") in by and (b, "sdpa_best") in by]
+        if len(pairs) == len(batches):
+            gpus.append(result["meta"].get("gpu") or "CPU")
+            names = ", ".join(sorted({_IMPL_NAMES.get(t["graph_backend"], t["graph_backend"]) for _, t in pairs}))
+            ours_us = " / ".join(_fmt(o["graph_us"], 1) for o, _ in pairs)
+            theirs_us = " / ".join(_fmt(t["graph_us"], 1) for _, t in pairs)
+            ratios = " / ".join(_fmt(t["graph_us"] / o["graph_us"], 2) + "x" for o, t in pairs)
+            out.append(f"| attention decode, KV cache, CUDA graph | Hq {heads_q} / Hkv {heads_kv} / D {head_dim} "
+                       f"(qwen3-30b-a3b), Sk {seqlen}, batch {' / '.join(map(str, batches))} | {ours_us} µs a layer | "
+                       f"{theirs_us} ({names}) | {ratios} | `attention_decode.json` |")
     for name, label in (("moe", "MoE layer forward"), ("moe_fwd_bwd", "MoE layer forward+backward")):
         result = _load(results_dir, name)
         if result is None:
