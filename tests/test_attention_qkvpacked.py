@@ -2,6 +2,8 @@
 dk and dv into one gradient tensor laid out like the projection."""
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flashmoe_science import FlashMoEScienceAttention, flash_attention_qkvpacked, flash_attention_science
 from test_attention_backward import assert_grads_close, reference_grads
@@ -152,6 +154,37 @@ def test_bad_input_raises_clear_error(args, kwargs, error, match, device):
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
     with pytest.raises(error, match=match):
         flash_attention_qkvpacked(*args, **kwargs)
+
+
+_OPTIONS = st.fixed_dictionaries(dict(
+    causal=st.booleans(), window_size=st.sampled_from([(-1, -1), (3, 0), (2, 5)]),
+    softcap=st.sampled_from([0.0, 2.0]), softmax_scale=st.sampled_from([None, 0.3]), return_lse=st.booleans(),
+    grad=st.booleans()))
+
+
+@given(calls=st.lists(_OPTIONS, min_size=2, max_size=4))
+def test_calls_on_one_tensor_with_any_options_match_the_unpacked_call(calls):
+    """Calls on one qkv (the same tensor facts, so one cached entry per option set) in any order,
+    with and without gradients: each returns the unpacked call's bits, lse and dqkv included, so no
+    call's cached plans ever serve another's options."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    qkv = torch.randn(1, 24, 6, 16, device=device)
+    grad_out = torch.randn(1, 24, 2, 16, device=device)
+    for options in calls:
+        grad = options.pop("grad")
+        return_lse = options["return_lse"]
+        x, x_ref = (qkv.clone().requires_grad_(grad) for _ in range(2))
+        got = flash_attention_qkvpacked(x, num_kv_heads=2, **options)
+        ref = flash_attention_science(*split(x_ref, 2), **options)
+        out, ref_out = (got[0], ref[0]) if return_lse else (got, ref)
+        assert torch.equal(out, ref_out.transpose(1, 2)), options
+        if return_lse:
+            assert torch.equal(got[1], ref[1]), options
+        if grad:
+            (dx,) = torch.autograd.grad(out, x, grad_out)
+            (dref,) = torch.autograd.grad(ref_out, x_ref, grad_out.transpose(1, 2))
+            assert torch.equal(dx, dref), options
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
