@@ -112,6 +112,15 @@ def _call_key(qkv, num_kv_heads, causal, softmax_scale, window_size, softcap, re
             type(softcap), softcap, type(return_lse), return_lse, type(deterministic), deterministic)
 
 
+def _checked_heads(qkv, num_kv_heads, deterministic, return_lse):
+    """The flags checked and `_heads`, with qkv as (B, S, Hq + 2 * Hkv, D) given unit stride in D:
+    (qkv4, Hq, Hkv, whether that took a copy)."""
+    check_flags(deterministic, return_lse)
+    qkv4, heads_q, heads_kv = _heads(qkv, num_kv_heads)
+    copied = qkv4.stride(-1) != 1
+    return (qkv4.contiguous() if copied else qkv4), heads_q, heads_kv, copied
+
+
 def _packed_call(qkv, num_kv_heads, causal, softmax_scale, window_size, softcap, return_lse, deterministic):
     """(qkv as (B, S, Hq + 2 * Hkv, D) with unit stride in D, its `_PackedCall`): checked in full
     unless a call with the same facts was (`_call_key`)."""
@@ -119,13 +128,10 @@ def _packed_call(qkv, num_kv_heads, causal, softmax_scale, window_size, softcap,
     call = CALLS.get(key) if key is not None else None
     if call is not None:
         return (qkv.flatten(2, 3) if qkv.dim() == 5 else qkv), call
-    check_flags(deterministic, return_lse)
-    qkv4, heads_q, heads_kv = _heads(qkv, num_kv_heads)
+    qkv4, heads_q, heads_kv, copied = _checked_heads(qkv, num_kv_heads, deterministic, return_lse)
     check_options(causal, softmax_scale)
     window_size = check_band(window_size, softcap)
-    cached = key is not None and qkv4.stride(-1) == 1
-    if not cached:
-        qkv4 = qkv4.contiguous()
+    cached = key is not None and not copied  # a copy is new memory each call: never a key's facts
     call = _PackedCall(qkv4, heads_q, heads_kv, causal, window_size, softcap, cached)
     if cached:
         CALLS.remember(key, call)
@@ -184,10 +190,7 @@ def flash_attention_qkvpacked(qkv, causal=False, softmax_scale=None, *, num_kv_h
         without a copy), or (out, lse) when return_lse.
     """
     if torch.compiler.is_compiling():
-        check_flags(deterministic, return_lse)
-        qkv4, heads_q, heads_kv = _heads(qkv, num_kv_heads)
-        if qkv4.stride(-1) != 1:
-            qkv4 = qkv4.contiguous()
+        qkv4, heads_q, heads_kv, _ = _checked_heads(qkv, num_kv_heads, deterministic, return_lse)
         out, lse = flash_attention_science(*_split(qkv4, heads_q, heads_kv), causal, softmax_scale,
                                            window_size=window_size, softcap=softcap, return_lse=True)
         out = out.transpose(1, 2)
