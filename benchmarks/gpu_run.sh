@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_run.sh [STAGE ...]
 #   stages: env tests sanitize consan sweep hopper-sweep gluon-sweep backward-sweep window-sweep decode-sweep
 #           attention-small attention-fwd attention-bwd
-#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode attention-mla attention-fp8 moe moe-fwd+bwd moe-train
+#           attention-fwd+bwd attention-varlen-window attention-calls attention-decode attention-mla attention-fp8 moe moe-fwd+bwd moe-peers moe-train
 #           model model-static moe-sweep
 #           moe-bwd-sweep before-after tc tc-sweep ep moe-fp8
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
@@ -18,11 +18,25 @@ RESULTS="$OUT/results"
 mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 FLASHMOE_NO_PROGRESS=1
 # WHEELS: a folder of wheels carried along (no network there), e.g. a newer transformers and the
-# huggingface_hub it needs: installed without dependencies into a folder of their own, ahead of
-# the machine's packages for every stage.
+# huggingface_hub it needs, or SonicMoE's stack: installed without dependencies into a folder of
+# their own, ahead of the machine's packages for every stage. ARCHIVES: a folder of .tar.xz
+# archives of packages as they lie in site-packages (a wheel too big for one call's carry, such as
+# the CuTe DSL's libraries), unpacked into the same folder; its .pth files are followed.
+WHEEL_DIR="${TMPDIR:-/tmp}/flashmoe_wheels"
 if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install --quiet --no-deps --target "${TMPDIR:-/tmp}/flashmoe_wheels" "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH="$PYTHONPATH:${TMPDIR:-/tmp}/flashmoe_wheels"
+  python3 -m pip install --quiet --no-deps --target "$WHEEL_DIR" "$WHEELS"/*.whl || exit 1
+fi
+if [ -n "${ARCHIVES:-}" ]; then
+  mkdir -p "$WHEEL_DIR"
+  for archive in "$ARCHIVES"/*.tar.xz; do tar -xJf "$archive" -C "$WHEEL_DIR" || exit 1; done
+fi
+if [ -d "$WHEEL_DIR" ]; then
+  export PYTHONPATH="$PYTHONPATH:$WHEEL_DIR"
+  for pth in "$WHEEL_DIR"/*.pth; do
+    [ -f "$pth" ] && while read -r entry || [ -n "$entry" ]; do
+      case "$entry" in ''|'#'*|import*) ;; *) PYTHONPATH="$PYTHONPATH:$WHEEL_DIR/$entry" ;; esac
+    done < "$pth"
+  done
   python3 -c "import transformers; print('transformers', transformers.__version__)" 2>/dev/null
 fi
 stages=("$@")
@@ -87,6 +101,9 @@ for stage in "${stages[@]}"; do
       done ;;
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
+    moe-peers)  # ours against grouped_mm and SonicMoE (carried: WHEELS, ARCHIVES) at the training sizes, forward+backward then forward
+      bench moe --mode fwd+bwd --impls ours gmm sonic --no-plot ${MOE_PEERS_ARGS:-}
+      bench moe --impls ours gmm sonic --tokens 1 8 64 512 4096 16384 --no-plot ${MOE_PEERS_ARGS:-} ;;
     moe-train) bench moe --mode train ;;
     moe-fp8)  # FP8 experts against our bf16 path, grouped_mm and torch._scaled_grouped_mm (results moe_fp8)
       bench moe --impls ours fp8 scaled_gmm gmm --shapes qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b \

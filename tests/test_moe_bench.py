@@ -26,6 +26,7 @@ def test_bench_rows_and_correctness_columns():
     result = moe.run(parse("--tokens", "5"))
     rows = {r["impl"]: r for r in result["rows"]}
     assert result["name"] == "moe" and set(rows) == {"ours", "gmm", "naive"}
+    assert result["meta"]["sonic"] == "SonicMoE needs a CUDA GPU"  # a default side, skipped with its reason
     ours = rows["ours"]
     assert ours["path"] == "decode" and "BLOCK_M=" in ours["config"]
     assert ours["rel_error"] < 1e-5 and rows["naive"]["rel_error"] < 1e-5  # fp32 on the CPU
@@ -173,3 +174,24 @@ def test_fwd_bwd_table_reports_peak_memory_where_measured():
     for r in rows:
         del r["peak_extra_mib"]
     assert "Peak memory" not in render("moe_fwd_bwd", {"rows": rows, "meta": meta})
+
+
+def test_sonic_side_gets_columns_and_a_speedup_with_interval():
+    """Where SonicMoE ran, each of our rows carries its speed against it with a bootstrap interval
+    and the table shows SonicMoE's time, TFLOP/s and that ratio; without it the table is as before."""
+    from flashmoe_science.bench.report import render
+    from flashmoe_science.bench.timing import Timing
+
+    timings = {"ours": Timing(1.0, 0.99, 1.01, [0.99, 1.0, 1.01]), "gmm": Timing(2.0, 1.98, 2.02, [1.98, 2.0, 2.02]),
+               "sonic": Timing(1.25, 1.24, 1.26, [1.24, 1.25, 1.26])}
+    rows = {impl: dict(shape="tiny", E=4, top_k=2, H=64, I=32, T=5, impl=impl, ms=t.median_ms, tflops=1.0 / t.median_ms)
+            for impl, t in timings.items()}
+    moe._add_speedups(timings, rows)
+    ours = rows["ours"]
+    assert ours["speedup_vs_gmm"] == pytest.approx(2.0) and ours["speedup_vs_sonic"] == pytest.approx(1.25)
+    assert ours["speedup_sonic_lo"] <= 1.25 <= ours["speedup_sonic_hi"] and ours["speedup_lo"] <= 2.0
+    meta = {"gpu": "GPU", "command": "bench moe --mode fwd+bwd", "sonic": "sonic-moe 0.1.2.post1"}
+    text = render("moe_fwd_bwd", {"rows": list(rows.values()), "meta": meta})
+    assert "SonicMoE ms | SonicMoE TFLOP/s | ours / SonicMoE [95% CI] |" in text
+    assert "| 1.250 | 1 | 1.25 [" in text and "SonicMoE: sonic-moe 0.1.2.post1" in text
+    assert "SonicMoE" not in render("moe_fwd_bwd", {"rows": [rows["ours"], rows["gmm"]], "meta": meta})

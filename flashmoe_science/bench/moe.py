@@ -16,6 +16,8 @@ Implementations, on the same inputs in one process:
   `torch._grouped_mm` for both expert matmuls, then index_add back (torchtitan's path);
 - naive: the per-expert loop of most model code (index, two matmuls, index_add), which is
   `reference.fused_experts_torch` after PyTorch routing;
+- sonic: SonicMoE (`sonic-moe`, CuTe DSL on Hopper and Blackwell) on the same logits and weights
+  (`sonic.py`), where it imports and runs (else the results' meta says why);
 - fp8 (only when asked, forward only): `fused_moe` with the same weights quantised to FP8 per
   128 x 128 block (`moe.fp8`); its `rel_error` against the float64 layer of the unquantised
   weights is the FP8 error itself, and its weight bandwidth counts one byte a weight;
@@ -23,7 +25,8 @@ Implementations, on the same inputs in one process:
   on the weights quantised per output channel, tokens and intermediate per row
   (`reference.fused_moe_scaled_grouped_mm`).
 With --mode fwd+bwd each runs under autograd: ours through its custom ops and backward
-kernels, gmm through torch._grouped_mm's own backward, naive through PyTorch's.
+kernels, gmm through torch._grouped_mm's own backward, naive through PyTorch's, sonic through
+its own.
 
 Each row: GPU time (do_bench medians over `repeats` runs, 95% interval), TFLOP/s counted as
 6*T*k*H*I, wall-clock per call up to 1024 tokens, the time of a CUDA-graph replay up to 128
@@ -53,7 +56,7 @@ from ..moe import backward, configs, experts, fused_moe, moe_route
 from ..moe.fp8 import quantize_fp8_blockwise, quantize_fp8_per_channel
 from ..moe.reference import (fused_experts_torch, fused_moe_grouped_mm, fused_moe_scaled_grouped_mm,
                              fused_moe_torch, moe_route_torch)
-from . import common, moe_training
+from . import common, moe_training, sonic
 from .timing import graph_replay, speedup_interval, time_gpu, time_wall
 
 # name: (E, top_k, H, I)
@@ -67,8 +70,8 @@ TINY_SHAPE = {"tiny": (8, 2, 64, 32)}
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
 QUICK_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")
 QUICK_TOKENS = (1, 4096)
-IMPLS = ("ours", "gmm", "naive", "fp8", "scaled_gmm")
-DEFAULT_IMPLS = ("ours", "gmm", "naive")
+IMPLS = ("ours", "gmm", "naive", "sonic", "fp8", "scaled_gmm")
+DEFAULT_IMPLS = ("ours", "gmm", "naive", "sonic")
 MODES = ("fwd", "fwd+bwd", "train")
 RESULT_NAMES = {"fwd": "moe", "fwd+bwd": "moe_fwd_bwd", "train": "moe_train"}
 FWD_BWD_TOKENS = (4096, 16384)
@@ -94,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"token counts T (default: {' '.join(map(str, TOKENS))}; --sweep: "
                              f"{' '.join(map(str, SWEEP_TOKENS))}; fwd+bwd: {' '.join(map(str, FWD_BWD_TOKENS))})")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),
-                        help="implementations to time (fp8, the forward only: our FP8 path on the same weights "
+                        help="implementations to time (sonic: SonicMoE where it imports; fp8, the forward only: our FP8 path on the same weights "
                              "quantised per 128 x 128 block; scaled_gmm: torch._scaled_grouped_mm on them quantised "
                              "per output channel)")
     parser.add_argument("--sweep", action="store_true",
@@ -191,8 +194,10 @@ def run(args) -> dict:
     meta["gmm"] = gmm_reason or "torch._grouped_mm" + (" with its autograd backward" if with_backward else "")
     scaled_reason = _scaled_gmm_unavailable(device) if "scaled_gmm" in args.impls and not with_backward else None
     meta["scaled_gmm"] = scaled_reason or "torch._scaled_grouped_mm, rowwise scales"
-    impls = [i for i in args.impls if (i != "gmm" or gmm_reason is None) and (i != "scaled_gmm" or scaled_reason is None)
-             and (i not in ("fp8", "scaled_gmm") or not with_backward)]
+    sonic_reason = sonic.unavailable(device, dtype) if "sonic" in args.impls else "not requested"
+    meta["sonic"] = sonic_reason or f"sonic-moe {_version('sonic-moe')}, quack-kernels {_version('quack-kernels')}"
+    skipped = {"gmm": gmm_reason, "scaled_gmm": scaled_reason, "sonic": sonic_reason}
+    impls = [i for i in args.impls if skipped.get(i) is None and (i not in ("fp8", "scaled_gmm") or not with_backward)]
     generator = torch.Generator(device=device).manual_seed(0)
     checkpoint = getattr(args, "checkpoint", None) or (lambda rows: None)  # rows so far, where `cli` sets it
     rows = []
@@ -226,7 +231,27 @@ def run(args) -> dict:
     return {"name": "moe_fp8" if fp8_run else RESULT_NAMES[args.mode], "rows": rows, "meta": meta}
 
 
-FORWARDS = {"ours": fused_moe, "gmm": fused_moe_grouped_mm, "naive": naive_forward}
+FORWARDS = {"ours": fused_moe, "gmm": fused_moe_grouped_mm, "naive": naive_forward, "sonic": sonic.fused_moe_sonic}
+# Each row of ours carries its speed against these, where they ran: speedup_vs_<name> [lo, hi].
+COMPARED = ("gmm", "sonic")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _add_speedups(timings: dict, rows: dict) -> None:
+    """Every row's speed against each compared implementation timed beside it (bootstrap interval)."""
+    for other in COMPARED:
+        if other in timings:
+            for impl, row in rows.items():
+                ratio, lo, hi = speedup_interval(timings[impl], timings[other])
+                suffix = "" if other == "gmm" else f"_{other}"
+                row.update({f"speedup_vs_{other}": ratio, f"speedup{suffix}_lo": lo, f"speedup{suffix}_hi": hi})
 GRADIENT_NAMES = ("x", "w1", "w2", "router_logits")
 
 
@@ -296,10 +321,7 @@ def _bench_fwd_bwd_shape(args, name, shape, tokens, impls, device, dtype, genera
             if impl == "ours":
                 row.update(experts.describe(x, w1, k), **backward.describe(x, w1, k))
             by_impl[impl] = row
-        if "gmm" in timings:
-            for impl, row in by_impl.items():
-                ratio, lo, hi = speedup_interval(timings[impl], timings["gmm"])
-                row.update(speedup_vs_gmm=ratio, speedup_lo=lo, speedup_hi=hi)
+        _add_speedups(timings, by_impl)
         rows += by_impl.values()
         del x, logits, grad_out, inputs
     return rows
@@ -311,7 +333,8 @@ def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator, 
     x = torch.randn(T, H, device=device, generator=generator).to(dtype)
     logits = torch.randn(T, E, device=device, generator=generator).to(dtype)
     fns = {"ours": lambda: fused_moe(x, w1, w2, logits, k), "gmm": lambda: fused_moe_grouped_mm(x, w1, w2, logits, k),
-           "naive": lambda: naive_forward(x, w1, w2, logits, k)}
+           "naive": lambda: naive_forward(x, w1, w2, logits, k),
+           "sonic": lambda: sonic.fused_moe_sonic(x, w1, w2, logits, k)}
     if "fp8" in (fp8_weights or {}):
         q1, s1, q2, s2 = fp8_weights["fp8"]
         fns["fp8"] = lambda: fused_moe(x, q1, q2, logits, k, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
@@ -338,8 +361,13 @@ def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator, 
             calls = max(1, min(200, int(100 / max(timing.median_ms, 1e-3))))
             row["wall_ms"] = time_wall(fns[impl], calls=calls, repeats=args.repeats).median_ms
         if T <= GRAPH_MAX_TOKENS and impl != "naive" and device.type == "cuda":
-            row["graph_ms"] = time_gpu(graph_replay(fns[impl]), warmup_ms=args.warmup, rep_ms=args.rep,
-                                              repeats=args.repeats).median_ms
+            try:
+                row["graph_ms"] = time_gpu(graph_replay(fns[impl]), warmup_ms=args.warmup, rep_ms=args.rep,
+                                           repeats=args.repeats).median_ms
+            except RuntimeError as exc:  # a peer's call that cannot be captured: say so, time it eagerly only
+                if impl == "ours":
+                    raise
+                row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
         if touched is not None:
             weight_bytes = touched * 3 * H * I * (1 if impl in ("fp8", "scaled_gmm") else w1.element_size())
             row["touched_experts"] = touched
@@ -350,10 +378,7 @@ def _bench_case(args, name, shape, T, impls, w1, w2, w64, copy_tbps, generator, 
         if impl == "ours":
             row.update(experts.describe(x, w1, k))
         rows[impl] = row
-    if "gmm" in timings:
-        for impl, row in rows.items():
-            ratio, lo, hi = speedup_interval(timings[impl], timings["gmm"])
-            row.update(speedup_vs_gmm=ratio, speedup_lo=lo, speedup_hi=hi)
+    _add_speedups(timings, rows)
     return list(rows.values())
 
 
@@ -397,15 +422,20 @@ def summarize(result: dict) -> str:
     if result["name"] in SWEEP_RESULT_NAMES.values():
         return result["meta"]["best_configs"]
     error = "largest gradient rel error" if result["name"] == RESULT_NAMES["fwd+bwd"] else "rel error"
-    lines = [f"shape T | TFLOP/s ours / gmm / naive | speedup vs gmm [95% CI] | {error} ours (PyTorch's)"]
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in result["rows"])]
+    versus = " | speedup vs gmm [95% CI]" + (" | vs sonic" if "sonic" in impls else "")
+    lines = [f"shape T | TFLOP/s {' / '.join(impls)}{versus} | {error} ours (PyTorch's)"]
     cases = dict.fromkeys((r["shape"], r["T"]) for r in result["rows"])
     for shape, T in cases:
         by_impl = {r["impl"]: r for r in result["rows"] if r["shape"] == shape and r["T"] == T}
         ours = by_impl.get("ours")
-        tflops = " / ".join(f"{by_impl[i]['tflops']:.0f}" if i in by_impl else "-" for i in IMPLS)
+        tflops = " / ".join(f"{by_impl[i]['tflops']:.0f}" if i in by_impl else "-" for i in impls)
         line = f"{shape} {T} | {tflops}"
         if ours is not None and "speedup_vs_gmm" in ours:
             line += f" | {ours['speedup_vs_gmm']:.2f} [{ours['speedup_lo']:.2f}, {ours['speedup_hi']:.2f}]"
+        if ours is not None and "speedup_vs_sonic" in ours:
+            line += (f" | {ours['speedup_vs_sonic']:.2f} [{ours['speedup_sonic_lo']:.2f}, "
+                     f"{ours['speedup_sonic_hi']:.2f}]")
         if ours is not None:
             line += f" | {ours['rel_error']:.1e} ({ours['torch_rel_error']:.1e})"
         lines.append(line)

@@ -260,11 +260,18 @@ def render_moe(name: str, result: dict) -> str:
     if graphs:
         out += ["Small calls are also timed as a CUDA graph replay (graph ms: GPU time without the host's "
                 "launch work, which single eager calls of a few tens of microseconds mostly measure).", ""]
+    sonic = any(r["impl"] == "sonic" for r in rows)
+    if sonic:
+        out += [f"SonicMoE: {meta.get('sonic')}, on the same router logits and weights; its {flops_name} "
+                "in its column.", ""]
     out += [
            f"| model (E, k, H, I) | T | ours ms | grouped-mm ms | per-expert loop ms | ours {flops_name} | "
-           "ours / grouped-mm [95% CI] | " + ("graph ms ours / grouped-mm | " if graphs else "")
+           "ours / grouped-mm [95% CI] | "
+           + (f"SonicMoE ms | SonicMoE {flops_name.split(' ')[0]} | ours / SonicMoE [95% CI] | " if sonic else "")
+           + ("graph ms ours / grouped-mm | " if graphs else "")
            + "weight bandwidth | path | rel. error ours / PyTorch |",
-           "|---|---|---|---|---|---|---|" + ("---|" if graphs else "") + "---|---|---|"]
+           "|---|---|---|---|---|---|---|" + ("---|---|---|" if sonic else "") + ("---|" if graphs else "")
+           + "---|---|---|"]
     for (shape, e, k, h, i, t), by in grid.items():
         ours = by.get("ours", {})
         speed = ""
@@ -278,13 +285,20 @@ def render_moe(name: str, result: dict) -> str:
         if graphs:
             graph_ms = ours.get("graph_ms"), by.get("gmm", {}).get("graph_ms")
             graph = (_versus(*graph_ms, 3) if None not in graph_ms else _fmt(graph_ms[0], 3)) + " | "
+        versus_sonic = ""
+        if sonic:
+            theirs = by.get("sonic", {})
+            ratio = (f"{ours['speedup_vs_sonic']:.2f} [{ours['speedup_sonic_lo']:.2f}, {ours['speedup_sonic_hi']:.2f}]"
+                     if ours.get("speedup_vs_sonic") is not None else "")
+            versus_sonic = f"{_fmt(theirs.get('ms'), 3)} | {_fmt(theirs.get('tflops'))} | {ratio} | "
         out.append(f"| {shape} ({e}, {k}, {h}, {i}) | {t} | {_fmt(ours.get('ms'), 3)} | "
                    f"{_fmt(by.get('gmm', {}).get('ms'), 3)} | {_fmt(by.get('naive', {}).get('ms'), 3)} | "
-                   f"{_fmt(ours.get('tflops'))} | {speed} | {graph}{bandwidth} | {ours.get('path', '')} | {err} |")
+                   f"{_fmt(ours.get('tflops'))} | {speed} | {versus_sonic}{graph}{bandwidth} | "
+                   f"{ours.get('path', '')} | {err} |")
     memory = [(key, by) for key, by in grid.items() if any("peak_extra_mib" in r for r in by.values())]
     if memory:
-        impls = [i for i in ("ours", "gmm", "naive") if any(i in by for _, by in memory)]
-        names = {"ours": "ours", "gmm": "grouped-mm", "naive": "per-expert loop"}
+        impls = [i for i in ("ours", "gmm", "sonic", "naive") if any(i in by for _, by in memory)]
+        names = {"ours": "ours", "gmm": "grouped-mm", "sonic": "SonicMoE", "naive": "per-expert loop"}
         out += ["", "Peak memory of one forward+backward beyond its inputs (activations, saved tensors, gradients), "
                 "MiB:", "", "| model | T | " + " | ".join(names[i] for i in impls) + " |",
                 "|---|---|" + "---|" * len(impls)]

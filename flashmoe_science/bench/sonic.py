@@ -1,0 +1,71 @@
+"""SonicMoE (the `sonic-moe` package, CuTe DSL kernels on QuACK's grouped GEMMs) as a side of
+`bench moe`: the same call as `fused_moe(x, w1, w2, router_logits, top_k)` on the same weights.
+
+SonicMoE's own layer computes the router logits from its router weight; the benchmark hands every
+implementation the same logits, so this enters SonicMoE after that product, at its top-k router
+(softmax over all experts, the k largest, renormalised: `moe_route`'s formula), its routing
+metadata and its up and down projections, as its `moe_TC_softmax_topk_layer` calls them. The
+weights are ours, read in place through views: w1 (E, 2I, H) with gate rows before up rows is
+SonicMoE's (2I, H, E) `concat_layout`, w2 (E, H, I) its (H, I, E); the gradients flow back to
+them. SonicMoE compiles each kernel on first use (JIT): time it only after a warm call.
+
+Nothing here is imported unless a benchmark asks for SonicMoE; `unavailable` says why it cannot
+run on a machine (not installed, no Hopper or Blackwell GPU, a failed first call)."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when SonicMoE runs here on a tiny layer (forward and backward), else why not."""
+    if device.type != "cuda":
+        return "SonicMoE needs a CUDA GPU"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return "SonicMoE needs sm90 or newer"
+    try:
+        importlib.import_module("sonicmoe")
+    except Exception as exc:  # recorded in the results instead of failing the run
+        return f"sonic-moe does not import: {type(exc).__name__}: {exc}"[:300]
+    try:
+        generator = torch.Generator(device=device).manual_seed(0)
+        E, H, I, T = 8, 256, 128, 64
+        inputs = [torch.randn(T, H, device=device, dtype=dtype, generator=generator),
+                  torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=generator) * H**-0.5,
+                  torch.randn(E, H, I, device=device, dtype=dtype, generator=generator) * I**-0.5,
+                  torch.randn(T, E, device=device, dtype=dtype, generator=generator)]
+        for t in inputs:
+            t.requires_grad_()
+        out = fused_moe_sonic(*inputs, 2)
+        torch.autograd.grad(out, inputs, torch.randn_like(out))
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # recorded in the results instead of failing the run
+        return f"SonicMoE failed on a tiny layer: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def fused_moe_sonic(x, w1, w2, router_logits, top_k):
+    """out (T, H): SonicMoE's SwiGLU experts on softmax top-k routing of `router_logits`,
+    renormalised, with w1 (E, 2I, H) [gate; up] and w2 (E, H, I) read in place."""
+    from sonicmoe.enums import ActivationType
+    from sonicmoe.functional import (TC_Softmax_Topk_Router_Function, TC_topk_router_metadata_triton,
+                                     _DownProjection, _UpProjection)
+
+    T, E = router_logits.shape
+    scores, ids = TC_Softmax_Topk_Router_Function.apply(router_logits, E, top_k, False, True)
+    TK, device = T * top_k, x.device
+    s_scatter_idx = torch.empty(TK, dtype=torch.int32, device=device)
+    s_reverse_scatter_idx = torch.empty(TK, dtype=torch.int32, device=device)
+    expert_frequency = torch.empty(E, dtype=torch.int32, device=device)
+    expert_frequency_offset = torch.empty(E + 1, dtype=torch.int32, device=device)
+    x_gather_idx = torch.empty(TK, dtype=torch.int32, device=device)
+    TC_topk_router_metadata_triton(ids, E, expert_frequency, expert_frequency_offset, x_gather_idx,
+                                   s_scatter_idx, s_reverse_scatter_idx)
+    inference = not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2, router_logits)))
+    a, h = _UpProjection.apply(x, w1.permute(1, 2, 0), None, expert_frequency_offset, TK, top_k, x_gather_idx,
+                               s_scatter_idx, s_reverse_scatter_idx, None, False, ActivationType.SWIGLU,
+                               inference, True)
+    return _DownProjection.apply(a, h, w2.permute(1, 2, 0), None, scores, expert_frequency_offset, T, top_k,
+                                 x_gather_idx, s_scatter_idx, s_reverse_scatter_idx, None, False,
+                                 ActivationType.SWIGLU)
