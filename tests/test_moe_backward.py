@@ -349,6 +349,41 @@ def test_tma_gradients_are_the_pointer_gradients(device, poisoned, forced_backwa
     assert torch.all(grads[True][1][3] == 0) and torch.all(grads[True][2][3] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [5, 37])
+def test_grad_w1_from_x_in_layout_order_gives_the_gathering_bits(device, poisoned, forced_backward, T, dtype):  # noqa: F811
+    """BackwardConfig.gather_x: grad_w1 reads x copied into layout order (zero padding rows)
+    through a descriptor instead of gathering it by token, with the gathering kernel's bits.
+    T = 5: 32-row steps overrun blocks of 16 rows into the next expert's rows or poisoned unused
+    blocks, so the copy's rows past an expert must count as zero: token 0, routed to experts 1
+    and 2 only, holds an inf that must not reach expert 0's gradient. Expert 3 gets no token."""
+    E, k, H, I = 8, 2, 48, 48
+    x, w1, w2 = make_layer(T, E, H, I, dtype, device)
+    x[0, 5] = float("inf")
+    ids = torch.randint(0, E - 1, (T, k), device=device, dtype=torch.int32)
+    ids[ids >= 3] += 1
+    ids[0] = torch.tensor([1, 2], dtype=torch.int32)
+    ids[1:, 0] = 0
+    weights = torch.rand(T, k, device=device)
+    grad_out = torch.randn(T, H, device=device).to(dtype)
+    grads = {}
+    for gather_x in (False, True):
+        forced_backward(functools.partial(dataclasses.replace, tma=True, gather_x=gather_x))
+        clear_records()
+        grads[gather_x] = experts_gradients(x, w1, w2, weights, ids, grad_out)
+        assert last_launch("moe_grad_w1").constexprs["X_ROWS"] == (gather_x and has_tma(device))
+        assert (last_launch("moe_gather_rows") is not None) == (gather_x and has_tma(device))
+    for name, gathered, dense in zip(("x", "w1", "w2", "topk_weights"), grads[False], grads[True]):
+        torch.testing.assert_close(dense, gathered, rtol=0, atol=0, equal_nan=True, msg=name)
+    grad_w1 = grads[True][1]
+    assert torch.all(grad_w1[3] == 0) and torch.isfinite(grad_w1[0]).all()
+    keep = ~torch.isinf(x[:, 5])
+    x64, w1_64, w2_64 = (t.detach().double().requires_grad_() for t in (x, w1, w2))
+    out = fused_experts_torch(x64, w1_64, w2_64, weights.double(), ids)
+    ref = torch.autograd.grad(out[keep], w1_64, grad_out.double()[keep])[0]
+    assert rel_error(grad_w1[0], ref[0]) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_tma_falls_back_where_tensors_are_not_addressable(device, poisoned, forced_backward):  # noqa: F811
     """w2 starting 2 bytes past a 16-byte boundary: grad_gate_up reads it through pointers, the
     other GEMMs still through descriptors, with the same bits as the pointer kernels."""

@@ -30,8 +30,10 @@ The launches (kernels in `_kernels/backward.py`), none read back by the host:
 2. grad_x: the (T * k, H) per-pair input gradients, then the forward's combine kernel sums
    each token's k rows in the fixed order j = 0..k-1;
 3. grad_w1 and grad_w2: one program per (expert, tile), each summing its expert's rows in
-   layout order (grad_w1 gathers x by each row's token, sorted_pairs // k). The experts'
-   block ranges come from a torch.searchsorted over block_expert.
+   layout order (grad_w1 gathers x by each row's token, sorted_pairs // k, or, with the
+   configuration's gather_x, reads a copy of x in layout order that one launch writes first:
+   a transient (rows, H) buffer). The experts' block ranges come from a torch.searchsorted
+   over block_expert.
 Every output element is written by one program with a fixed summation order: the gradients
 are bitwise reproducible (no atomics anywhere). Each launch is a function of the plan, so
 `bench moe --sweep --mode fwd+bwd` times one alone under a plan with a forced configuration.
@@ -50,12 +52,13 @@ import torch
 from ..device import info_for
 from ..launch import KernelLauncher, PlanCache
 from . import configs, experts, routing
-from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
+from ._kernels.backward import gather_rows_kernel, grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
 
 _GRAD_GATE_UP = KernelLauncher("moe_grad_gate_up", grad_gate_up_kernel, fp32_dots=True)
 _GRAD_X = KernelLauncher("moe_grad_x", grad_x_kernel, fp32_dots=True)
 _GRAD_W1 = KernelLauncher("moe_grad_w1", grad_w1_kernel, fp32_dots=True)
 _GRAD_W2 = KernelLauncher("moe_grad_w2", grad_w2_kernel, fp32_dots=True)
+_GATHER_ROWS = KernelLauncher("moe_gather_rows", gather_rows_kernel)
 
 
 class BackwardPlan:
@@ -153,35 +156,59 @@ def launch_grad_x(key, plan: BackwardPlan, grad_gate_up, w1, grad_x_pairs, sorte
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
-def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, layout_index, block, gathered_stride,
-                        row_tokens, expert_blocks) -> None:
+def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, dense, gathered_stride,
+                        row_tokens, expert_blocks, flags=()) -> None:
     """One weight-gradient kernel (`name`: grad_w1 or grad_w2): `operands` are its two inputs and
-    its output (any strides) in the kernel's argument order, operands[layout_index] the input
-    read in layout order (a descriptor of `block` tiles with TMA), `gathered_stride` the row
-    stride of the input it gathers by token."""
+    its output (any strides) in the kernel's argument order; `dense` maps the index of each
+    input read in layout order to its block shape (a descriptor of those blocks with TMA, all of
+    them or none); `gathered_stride` is the row stride of the input gathered by token; `flags`,
+    the kernel's constexpr flags after TMA."""
     g = getattr(plan.config, name)
     grad = operands[2]
-    tma = plan.tma and experts.tma_addressable(operands[layout_index])
+    tma = plan.tma and experts.tma_addressable(*(operands[i] for i in dense))
     if tma:
         operands = list(operands)
-        operands[layout_index] = experts.tma_descriptor(operands[layout_index], block(g))
+        for i, block in dense.items():
+            operands[i] = experts.tma_descriptor(operands[i], block)
     launcher.launch(
-        experts.launch_key_with_tma(key, tma), plan.grids[name],
+        experts.launch_key_with_tma(None if key is None else (key, *flags), tma), plan.grids[name],
         (*operands, row_tokens, expert_blocks, plan.hidden, plan.inter, plan.block_m, gathered_stride, *grad.stride(),
-         g.block_m, g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0, tma),
+         g.block_m, g.block_n, g.block_k, g.group_m, plan.block_m % g.block_k == 0, tma, *flags),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
 def launch_grad_w1(key, plan: BackwardPlan, grad_gate_up, x, grad_w1, row_tokens, expert_blocks) -> None:
-    """grad_w1 (E, 2I, H), any strides: grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e]."""
-    _launch_weight_grad(_GRAD_W1, "grad_w1", key, plan, (grad_gate_up, x, grad_w1), 0,
-                        lambda g: (g.block_k, g.block_m), x.stride(0), row_tokens, expert_blocks)
+    """grad_w1 (E, 2I, H), any strides: grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
+    With the configuration's gather_x (and TMA), x is first copied into layout order
+    (`gather_x_rows`) and read from there as dense tiles."""
+    g = plan.config.grad_w1
+    if plan.tma and plan.config.gather_x:
+        x_rows = routing.allocate((row_tokens.numel(), plan.hidden), x.dtype, x.device)
+        if experts.tma_addressable(grad_gate_up, x_rows):
+            gather_x_rows(key, plan, x, row_tokens, x_rows)
+            _launch_weight_grad(_GRAD_W1, "grad_w1", key, plan, (grad_gate_up, x_rows, grad_w1),
+                                {0: (g.block_k, g.block_m), 1: (g.block_k, g.block_n)}, x_rows.stride(0),
+                                row_tokens, expert_blocks, flags=(True,))
+            return
+        del x_rows
+    _launch_weight_grad(_GRAD_W1, "grad_w1", key, plan, (grad_gate_up, x, grad_w1), {0: (g.block_k, g.block_m)},
+                        x.stride(0), row_tokens, expert_blocks, flags=(False,))
+
+
+def gather_x_rows(key, plan: BackwardPlan, x, row_tokens, x_rows) -> None:
+    """x_rows (rows, H) contiguous: x's row of each layout row's token, zero on padding rows."""
+    rows, H = x_rows.shape
+    block_r, block_h = configs.GATHER_ROWS_TILE
+    _GATHER_ROWS.launch(key, (-(-rows // block_r), -(-H // block_h), 1),
+                        (x, row_tokens, x_rows, rows, H, x.stride(0), block_r, block_h),
+                        num_warps=configs.GATHER_ROWS_WARPS, num_stages=1, device_index=plan.device_index)
 
 
 def launch_grad_w2(key, plan: BackwardPlan, grad_out, weighted_h, grad_w2, row_tokens, expert_blocks) -> None:
     """grad_w2 (E, H, I), any strides: grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e]."""
-    _launch_weight_grad(_GRAD_W2, "grad_w2", key, plan, (grad_out, weighted_h, grad_w2), 1,
-                        lambda g: (g.block_k, g.block_n), grad_out.stride(0), row_tokens, expert_blocks)
+    g = plan.config.grad_w2
+    _launch_weight_grad(_GRAD_W2, "grad_w2", key, plan, (grad_out, weighted_h, grad_w2), {1: (g.block_k, g.block_n)},
+                        grad_out.stride(0), row_tokens, expert_blocks)
 
 
 def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:

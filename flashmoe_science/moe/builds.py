@@ -10,6 +10,7 @@ from itertools import product
 from ..kernel_build import KernelBuild
 from .configs import (_TRITON_DTYPES, ACTIVATIONS, COMBINE_BLOCK_H, COMBINE_BLOCK_T, COMBINE_STAGES, COMBINE_WARPS,
                       COUNT_TILE, DISPATCH_ROWS, DISPATCH_STAGES, DISPATCH_WARPS, FP8_GROUP, FP8_QUANTIZE_ROWS,
+                      GATHER_ROWS_TILE, GATHER_ROWS_WARPS,
                       MAX_EXPERTS, MAX_TOP_K, SORT_PAIRS, backward_configs, experts_configs, fp8_configs, route_rows)
 
 
@@ -25,7 +26,8 @@ def shipped_builds(capability: int):
     is a runtime value. Index tensors are int32 and routing weights fp32 at every launch (the
     launchers convert other dtypes first).
     """
-    from ._kernels.backward import grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
+    from ._kernels.backward import (gather_rows_kernel, grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel,
+                                    grad_x_kernel)
     from ._kernels.combine import combine_kernel
     from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_kernel
     from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
@@ -86,8 +88,9 @@ def shipped_builds(capability: int):
                             d.num_warps, d.num_stages,
                             aligned=("H", "I", "stride_we", "stride_wk" if bias else "stride_wn"),
                             descriptors=tma and descriptors["moe_down"])
-    # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M, tma, gpt-oss's layout)
-    weight_grads = {}
+    # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M, tma, gpt-oss's layout,
+    # x read in layout order); gathers: the dtypes of gather_rows_kernel's builds
+    weight_grads, gathers = {}, {}
     for element_size, block_m, cfg in backward_configs(capability):
         for dtype, tma in product(_TRITON_DTYPES[element_size], (False, True) if cfg.tma and capability == 90
                                   else (False,)):
@@ -117,20 +120,33 @@ def shipped_builds(capability: int):
                             x.num_warps, x.num_stages,
                             aligned=("H", "I", "stride_we", "stride_wh" if gpt_oss else "stride_wn"),
                             descriptors=tma and descriptors["moe_grad_x"])
-                for label, w in (("moe_grad_w1", cfg.grad_w1), ("moe_grad_w2", cfg.grad_w2)):
-                    weight_grads[(label, dtype, w, block_m % w.block_k == 0, tma, gpt_oss)] = None
-    for label, dtype, w, aligned, tma, gpt_oss in weight_grads:
+                aligned = {w: block_m % w.block_k == 0 for w in (cfg.grad_w1, cfg.grad_w2)}
+                # grad_w1 with gather_x reads x's layout-order copy (X_ROWS), or gathers x where
+                # that copy is not addressable
+                for x_rows in (False, True) if cfg.gather_x and tma else (False,):
+                    weight_grads[("moe_grad_w1", dtype, cfg.grad_w1, aligned[cfg.grad_w1], tma, gpt_oss, x_rows)] = None
+                weight_grads[("moe_grad_w2", dtype, cfg.grad_w2, aligned[cfg.grad_w2], tma, gpt_oss, False)] = None
+                if cfg.gather_x and tma:
+                    gathers[dtype] = None
+    for dtype in gathers:
+        yield build(f"moe_gather_rows {dtype}", gather_rows_kernel,
+                    dict(x_ptr=f"*{dtype}", row_tokens_ptr="*i32", x_rows_ptr=f"*{dtype}"),
+                    dict(zip(("BLOCK_R", "BLOCK_H"), GATHER_ROWS_TILE)), GATHER_ROWS_WARPS, 1,
+                    aligned=("H", "stride_xt"))
+    for label, dtype, w, aligned, tma, gpt_oss, x_rows in weight_grads:
         # the gradient in its weight's layout: unit stride along its last dimension, or its rows
         constexprs = dict(BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, GROUP_M=w.group_m,
                           ROWS_ALIGNED=aligned, TMA=tma, **(dict(stride_om=1) if gpt_oss else dict(stride_on=1)))
         name = f"{label} {dtype}{' transposed' if gpt_oss else ''} {w} rows_aligned={aligned}"
         out_strides = ("stride_oe", "stride_on" if gpt_oss else "stride_om")
         if label == "moe_grad_w1":
-            yield build(name, grad_w1_kernel,
+            yield build(name + (" x_rows" if x_rows else ""), grad_w1_kernel,
                         dict(grad_gate_up_ptr=f"*{dtype}", x_ptr=f"*{dtype}", grad_w1_ptr=f"*{dtype}",
                              row_tokens_ptr="*i32", expert_blocks_ptr="*i32"),
-                        constexprs, w.num_warps, w.num_stages, aligned=("H", "I", "stride_xt", *out_strides),
-                        descriptors=tma and descriptors[label])
+                        {**constexprs, "X_ROWS": x_rows}, w.num_warps, w.num_stages,
+                        aligned=("H", "I", "stride_xt", *out_strides),
+                        descriptors=tma and {**descriptors[label], **(dict(x_ptr=("BLOCK_K", "BLOCK_N")) if x_rows
+                                                                       else {})})
         else:
             yield build(name, grad_w2_kernel,
                         dict(grad_out_ptr=f"*{dtype}", weighted_h_ptr=f"*{dtype}", grad_w2_ptr=f"*{dtype}",

@@ -141,6 +141,10 @@ class BackwardConfig:
     the same order, so the same bits. Calls whose tensors TMA cannot address, and other GPUs,
     run the pointer kernels with the same tiles. One flag for the four kernels; the Hopper
     prefill entries set it (measured below, at BACKWARD).
+    gather_x (with tma): grad_w1 reads x from a copy in layout order (rows, H), written by one
+    gather launch before it, through a descriptor, instead of gathering x by token in its loop:
+    the same tiles in the same order, so the same bits, for a transient buffer of the layout's
+    rows times H (measured below, at BACKWARD_LONG).
     """
 
     grad_gate_up: GemmConfig
@@ -148,10 +152,11 @@ class BackwardConfig:
     grad_w1: WeightGradConfig
     grad_w2: WeightGradConfig
     tma: bool = False
+    gather_x: bool = False
 
     def __str__(self) -> str:
         return (f"grad_gate_up[{self.grad_gate_up}] grad_x[{self.grad_x}] grad_w1[{self.grad_w1}] "
-                f"grad_w2[{self.grad_w2}]" + (" tma" if self.tma else ""))
+                f"grad_w2[{self.grad_w2}]" + (" tma" if self.tma else "") + (" gather_x" if self.gather_x else ""))
 
 
 # The backward runs over the forward's layout (its saved intermediates are in layout order),
@@ -197,12 +202,16 @@ BACKWARD = {
     89: {2: _BACKWARD_SMALL_SMEM, 4: _BACKWARD_FP32},
 }
 # Past LONG_LOAD pairs per expert (Mixtral-8x7B at 16k tokens: 4096) BACKWARD_LONG[family][element
-# bytes][forward BLOCK_M] replaces the entry. On an H100 at 16k tokens (`bench moe --sweep --mode
-# fwd+bwd`, benchmarks/results/moe_backward_sweep.json) 256 x 128 dW1 tiles take Mixtral-8x7B's
-# 15.2 ms against 16.9 ms for 128 x 256, which stay best at the other shapes' 1024 to 2048 pairs
-# per expert (Qwen3-30B-A3B 1.88 against 1.97 ms).
+# bytes][forward BLOCK_M] replaces the entry: dW1 reads a layout-order copy of x (gather_x) in
+# 128 x 256 tiles, 3 stages. Timed alone on an H100 at 16k tokens (out of tree), Mixtral-8x7B's
+# dW1 takes 11.1 ms so, plus 0.2-0.6 ms for the copy, against 14.3 ms for the best gathering
+# kernel (256 x 128 tiles, 5 stages; a gathered operand pipelines at most 3 loads deep, dense
+# descriptor loads all the stages). At Qwen3-30B-A3B's and OLMoE's 1024 pairs per expert and
+# k = 8 the copy (8 rows of x per token) costs what the dense kernel saves (1.48-1.53 + about
+# 0.4 ms against 1.80 ms), so those keep the gathering kernel. The copy is one more buffer of
+# T * k rows of x while dW1 is computed: 4% of Mixtral's forward+backward peak at 16k tokens.
 LONG_LOAD = 2048
-BACKWARD_LONG = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(256, 128, 64, 8, 8, 5))}}}
+BACKWARD_LONG = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True)}}}
 del G, B, W
 
 # The largest BLOCK_M of any table (bounds the padding rows of the sorted layout).
@@ -211,6 +220,10 @@ MAX_BLOCK_M = 128
 # Calls of at most this many tokens are "decode" in reports (the issue's definition); their
 # configuration comes from the same table, by load per expert.
 DECODE_MAX_TOKENS = 64
+
+# gather_rows_kernel (BackwardConfig.gather_x): (rows, columns) of x a program copies, and its warps.
+GATHER_ROWS_TILE = (32, 128)
+GATHER_ROWS_WARPS = 4
 
 # Routing and dispatch tiles. The expert dimension is always padded to MAX_EXPERTS (one build
 # per kernel covers every E; a 256-wide tile costs small-E routing nothing that shows). Tiles of

@@ -11,5 +11,6 @@ algorithm.
 - `combine.py`: the deterministic sum of each token's k weighted expert outputs (and, in the
   backward, of each token's k input gradients).
 - `backward.py`: the backward GEMMs over the same layout (activation gradient, input gradient,
-  and the per-expert weight gradients).
+  and the per-expert weight gradients), and the copy of x into layout order that dW1 reads
+  where its configuration asks (`gather_rows_kernel`).
 """

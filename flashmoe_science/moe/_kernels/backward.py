@@ -22,8 +22,10 @@ Four kernels, each output element written by exactly one program, every sum in a
   pair's slot p, so the forward's combine kernel sums a token's k rows in a fixed order.
 - grad_w1_kernel, grad_w2_kernel: one program per (expert, output tile), summing over that
   expert's layout rows in order. One operand is read in layout order, the other gathered
-  by token in the loads through the row's pair index (no permuted copy of x or dY). An
-  expert without tokens gets a zero gradient.
+  by token in the loads through the row's pair index (no permuted copy of x or dY), except
+  where a configuration asks grad_w1 to read a layout-order copy of x that
+  gather_rows_kernel writes first (BackwardConfig.gather_x). An expert without tokens gets a
+  zero gradient.
 Padding rows of the layout are masked on load (or hold zeros where a kernel reads them
 unmasked, as documented at each); blocks past the last expert exit at once.
 
@@ -229,7 +231,7 @@ def grad_w1_kernel(
     grad_gate_up_ptr, x_ptr, grad_w1_ptr, row_tokens_ptr, expert_blocks_ptr,
     H, I, block_m, stride_xt, stride_oe, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr, TMA: tl.constexpr, X_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """grad_w1: (E, 2I, H), strides (stride_oe, stride_om, stride_on) (w1's: contiguous, or a
     transposed view; H * stride_on < 2**31), grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
@@ -237,7 +239,10 @@ def grad_w1_kernel(
     grad_gate_up: (rows, 2I) contiguous, layout order, zero on padding rows (read unmasked
     there; TMA: a descriptor of it, blocks (BLOCK_K, BLOCK_M)); x: (T, H), row stride stride_xt;
     row_tokens: (rows,) int32, -1 on padding rows; expert_blocks: (E + 1,) int32, expert e's
-    layout blocks are [expert_blocks[e], expert_blocks[e + 1])."""
+    layout blocks are [expert_blocks[e], expert_blocks[e + 1]).
+    X_ROWS (with TMA): x is already in layout order, `gather_rows_kernel`'s (rows, H) copy with
+    zero padding rows, read through a descriptor of (BLOCK_K, BLOCK_N) blocks like the other
+    operand; row_tokens is not read. The same tiles meet in the same order: the same bits."""
     num_tiles_m = tl.cdiv(2 * I, BLOCK_M)
     expert, pid_m, pid_n, first_row, end_row = _expert_rows(tl.program_id(0), expert_blocks_ptr, block_m,
                                                             num_tiles_m, tl.cdiv(H, BLOCK_N), GROUP_M)
@@ -248,7 +253,10 @@ def grad_w1_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(first_row, end_row, BLOCK_K):
-        rows, in_range, tokens = _row_step(row_tokens_ptr, r0, end_row, offs_k, ROWS_ALIGNED)
+        if X_ROWS:  # no token to look up: a dense step
+            in_range = r0 + offs_k < end_row
+        else:
+            rows, in_range, tokens = _row_step(row_tokens_ptr, r0, end_row, offs_k, ROWS_ALIGNED)
         # The A tile is read transposed straight from memory ((BLOCK_M, BLOCK_K), features
         # contiguous), so it goes to shared memory without a pass through registers.
         if TMA:
@@ -258,12 +266,33 @@ def grad_w1_kernel(
         else:
             a = tl.load(grad_gate_up_ptr + wide_offset(rows, 2 * I)[None, :] + offs_m[:, None],
                         mask=m_ok[:, None] & in_range[None, :], other=0.0)
-        b = tl.load(x_ptr + wide_offset(tokens, stride_xt)[:, None] + offs_n[None, :],
-                    mask=(tokens >= 0)[:, None] & n_ok[None, :], other=0.0)
+        if X_ROWS:
+            b = x_ptr.load([r0, pid_n * BLOCK_N])
+            if not ROWS_ALIGNED:
+                b = _past_expert_zeroed(b, in_range[:, None])
+        else:
+            b = tl.load(x_ptr + wide_offset(tokens, stride_xt)[:, None] + offs_n[None, :],
+                        mask=(tokens >= 0)[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     out_offs = (wide_offset(expert, stride_oe) + wide_offset(offs_m, stride_om)[:, None]
                 + (offs_n * stride_on)[None, :])
     tl.store(grad_w1_ptr + out_offs, acc.to(grad_w1_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def gather_rows_kernel(x_ptr, row_tokens_ptr, x_rows_ptr, num_rows, H, stride_xt,
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """x_rows (num_rows, H) contiguous: row r = x[row_tokens[r]], zero where row_tokens[r] < 0
+    (padding). x: (T, H), row stride stride_xt. For grad_w1_kernel's X_ROWS: where a weight
+    gradient's gathered loads cost more than one copy of x in layout order (configs.py)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok, col_ok = rows < num_rows, cols < H
+    tokens = tl.load(row_tokens_ptr + rows, mask=row_ok, other=-1)
+    values = tl.load(x_ptr + wide_offset(tokens, stride_xt)[:, None] + cols[None, :],
+                     mask=(tokens >= 0)[:, None] & col_ok[None, :], other=0.0)
+    tl.store(x_rows_ptr + wide_offset(rows, H)[:, None] + cols[None, :], values,
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["block_m"])
