@@ -195,3 +195,23 @@ def test_sonic_side_gets_columns_and_a_speedup_with_interval():
     assert "SonicMoE ms | SonicMoE TFLOP/s | ours / SonicMoE [95% CI] |" in text
     assert "| 1.250 | 1 | 1.25 [" in text and "SonicMoE: sonic-moe 0.1.2.post1" in text
     assert "SonicMoE" not in render("moe_fwd_bwd", {"rows": [rows["ours"], rows["gmm"]], "meta": meta})
+
+
+def test_headline_moe_rows_name_sonic_where_the_run_had_it(tmp_path):
+    """The README's MoE rows give ours against grouped_mm and, where the run timed it, SonicMoE,
+    each with its ratio; without SonicMoE the row is as before."""
+    import json
+
+    from flashmoe_science.bench import report
+
+    def write(impls):
+        rows = [dict(shape="mixtral-8x7b", E=8, top_k=2, H=4096, I=14336, T=16384, impl=impl, ms=ms)
+                for impl, ms in impls]
+        (tmp_path / "moe_fwd_bwd.json").write_text(json.dumps({"rows": rows, "meta": {"gpu": "H100"}}))
+
+    write([("ours", 50.0), ("gmm", 60.0), ("sonic", 45.0)])
+    assert ("| MoE layer forward+backward | mixtral-8x7b T=16384 | 50.000 ms | 60.000 ms (grouped-mm) / "
+            "45.000 ms (SonicMoE) | 1.20x / 0.90x | `moe_fwd_bwd.json` |") in report.render_headline(tmp_path)
+    write([("ours", 50.0), ("gmm", 60.0)])
+    assert ("| mixtral-8x7b T=16384 | 50.000 ms | 60.000 ms (grouped-mm) | 1.20x | `moe_fwd_bwd.json` |"
+            in report.render_headline(tmp_path))

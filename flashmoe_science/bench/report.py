@@ -268,7 +268,7 @@ def render_moe(name: str, result: dict) -> str:
            f"| model (E, k, H, I) | T | ours ms | grouped-mm ms | per-expert loop ms | ours {flops_name} | "
            "ours / grouped-mm [95% CI] | "
            + (f"SonicMoE ms | SonicMoE {flops_name.split(' ')[0]} | ours / SonicMoE [95% CI] | " if sonic else "")
-           + ("graph ms ours / grouped-mm | " if graphs else "")
+           + ("graph ms ours / grouped-mm" + (" / SonicMoE" if sonic else "") + " | " if graphs else "")
            + "weight bandwidth | path | rel. error ours / PyTorch |",
            "|---|---|---|---|---|---|---|" + ("---|---|---|" if sonic else "") + ("---|" if graphs else "")
            + "---|---|---|"]
@@ -284,7 +284,11 @@ def render_moe(name: str, result: dict) -> str:
         graph = ""
         if graphs:
             graph_ms = ours.get("graph_ms"), by.get("gmm", {}).get("graph_ms")
-            graph = (_versus(*graph_ms, 3) if None not in graph_ms else _fmt(graph_ms[0], 3)) + " | "
+            graph = _versus(*graph_ms, 3) if None not in graph_ms else _fmt(graph_ms[0], 3)
+            sonic_ms = by.get("sonic", {}).get("graph_ms")
+            if sonic_ms is not None and graph_ms[0] is not None:
+                graph += f" / {sonic_ms:.3f} ({sonic_ms / graph_ms[0]:.2f}x)"
+            graph += " | "
         versus_sonic = ""
         if sonic:
             theirs = by.get("sonic", {})
@@ -526,7 +530,7 @@ def render(name: str, result: dict) -> str:
         return render_model_static_decode(name, result)
     if name == "moe_fp8":
         return render_moe_fp8(name, result)
-    if name in ("moe", "moe_fwd_bwd"):
+    if name in ("moe", "moe_fwd_bwd", "moe_fwd_peers"):
         return render_moe(name, result)
     if name == "moe_train":
         return render_moe_train(name, result)
@@ -633,12 +637,16 @@ def render_headline(results_dir) -> str:
         for shape, tokens in _HEADLINE_MOE:
             rows = {r["impl"]: r for r in result["rows"] if r["shape"] == shape and r["T"] == tokens}
             if "ours" in rows and "gmm" in rows:
-                # a decode-sized call: its GPU time in a CUDA graph, where both have one
-                key = "graph_ms" if "graph_ms" in rows["ours"] and "graph_ms" in rows["gmm"] else "ms"
-                ours, theirs = rows["ours"][key], rows["gmm"][key]
+                # grouped_mm, and SonicMoE where the run had it; a decode-sized call: its GPU
+                # time in a CUDA graph, where every side has one
+                peers = [(impl, names) for impl, names in (("gmm", _IMPL_NAMES["grouped_mm"]), ("sonic", "SonicMoE"))
+                         if impl in rows]
+                key = "graph_ms" if all("graph_ms" in rows[i] for i in ("ours", *dict(peers))) else "ms"
+                ours = rows["ours"][key]
                 case = f"{shape} T={tokens}" + (", CUDA graph" if key == "graph_ms" else "")
-                out.append(f"| {label} | {case} | {ours:.3f} ms | {theirs:.3f} ms "
-                           f"({_IMPL_NAMES['grouped_mm']}) | {theirs / ours:.2f}x | `{name}.json` |")
+                theirs = " / ".join(f"{rows[impl][key]:.3f} ms ({who})" for impl, who in peers)
+                ratios = " / ".join(f"{rows[impl][key] / ours:.2f}x" for impl, _ in peers)
+                out.append(f"| {label} | {case} | {ours:.3f} ms | {theirs} | {ratios} | `{name}.json` |")
     result = _load(results_dir, "model")
     if result is not None:
         gpus.append(result["meta"].get("gpu") or "CPU")
