@@ -22,6 +22,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 FLASHMOE_
 # their own, ahead of the machine's packages for every stage. ARCHIVES: a folder of .tar.xz
 # archives of packages as they lie in site-packages (a wheel too big for one call's carry, such as
 # the CuTe DSL's libraries), unpacked into the same folder; its .pth files are followed.
+# SonicMoE (moe-peers), made where pip has a network, into two ignored folders of the checkout:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     -d WHEELS sonic-moe==0.1.2.post1 quack-kernels==0.3.11 nvidia-cutlass-dsl==4.4.2 \
+#     apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5
+#   (the same for nvidia-cutlass-dsl-libs-cu13==4.4.2, unzipped, then: tar -cJf ARCHIVES/cutlass_dsl.tar.xz
+#   -C unzipped .), about 57 MB together.
 WHEEL_DIR="${TMPDIR:-/tmp}/flashmoe_wheels"
 if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install --quiet --no-deps --target "$WHEEL_DIR" "$WHEELS"/*.whl || exit 1

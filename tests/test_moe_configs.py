@@ -126,3 +126,16 @@ def test_tune_picks_a_table_entry_and_later_calls_use_it(device, monkeypatch):
     torch.testing.assert_close(out, timed[0], rtol=1e-2, atol=1e-3)  # other tiles; tf32 on the GPU
     fused_moe(x[:, :16], w1[:, :, :16], w2[:, :16], logits, k)  # another shape keeps the table's choice
     assert last_launch("moe_gate_up").constexprs["BLOCK_M"] == default.block_m
+
+
+@pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
+def test_backward_gathers_x_into_layout_order_only_at_long_loads_with_tma(capability):
+    """gather_x (dW1 from a layout-order copy of x) needs descriptors, so it comes with tma; on
+    Hopper the 16-bit backward takes it past LONG_LOAD pairs per expert (Mixtral at 16k tokens)
+    and nowhere below, where the copy costs what it saves."""
+    assert all(cfg.tma for _, _, cfg in configs.backward_configs(capability) if cfg.gather_x)
+    device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
+    long = configs.backward_config(device, 2, 128, configs.LONG_LOAD + 1)
+    assert long.gather_x == (capability == 90)
+    assert not configs.backward_config(device, 2, 128, configs.LONG_LOAD).gather_x
+    assert not configs.backward_config(device, 4, 64, 10 * configs.LONG_LOAD).gather_x
