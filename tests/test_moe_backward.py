@@ -351,7 +351,8 @@ def test_tma_gradients_are_the_pointer_gradients(device, poisoned, forced_backwa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T", [5, 37])
-def test_grad_w1_from_x_in_layout_order_gives_the_gathering_bits(device, poisoned, forced_backward, T, dtype):  # noqa: F811
+def test_grad_w1_from_x_in_layout_order_gives_the_gathering_bits(device, poisoned, forced_backward,  # noqa: F811
+                                                                 T, dtype):
     """BackwardConfig.gather_x: grad_w1 reads x copied into layout order (zero padding rows)
     through a descriptor instead of gathering it by token, with the gathering kernel's bits.
     T = 5: 32-row steps overrun blocks of 16 rows into the next expert's rows or poisoned unused

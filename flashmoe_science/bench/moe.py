@@ -97,9 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"token counts T (default: {' '.join(map(str, TOKENS))}; --sweep: "
                              f"{' '.join(map(str, SWEEP_TOKENS))}; fwd+bwd: {' '.join(map(str, FWD_BWD_TOKENS))})")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),
-                        help="implementations to time (sonic: SonicMoE where it imports; fp8, the forward only: our FP8 path on the same weights "
-                             "quantised per 128 x 128 block; scaled_gmm: torch._scaled_grouped_mm on them quantised "
-                             "per output channel)")
+                        help="implementations to time (sonic: SonicMoE where it imports; fp8, the forward only: our "
+                             "FP8 path on the same weights quantised per 128 x 128 block; scaled_gmm: "
+                             "torch._scaled_grouped_mm on them quantised per output channel)")
     parser.add_argument("--sweep", action="store_true",
                         help="time candidate GEMM configurations and print the best per load bucket (with "
                              "--mode fwd+bwd: the backward GEMMs', per forward BLOCK_M)")
@@ -195,7 +195,7 @@ def run(args) -> dict:
     scaled_reason = _scaled_gmm_unavailable(device) if "scaled_gmm" in args.impls and not with_backward else None
     meta["scaled_gmm"] = scaled_reason or "torch._scaled_grouped_mm, rowwise scales"
     sonic_reason = sonic.unavailable(device, dtype) if "sonic" in args.impls else "not requested"
-    meta["sonic"] = sonic_reason or f"sonic-moe {_version('sonic-moe')}, quack-kernels {_version('quack-kernels')}"
+    meta["sonic"] = sonic_reason or sonic.versions()
     skipped = {"gmm": gmm_reason, "scaled_gmm": scaled_reason, "sonic": sonic_reason}
     impls = [i for i in args.impls if skipped.get(i) is None and (i not in ("fp8", "scaled_gmm") or not with_backward)]
     generator = torch.Generator(device=device).manual_seed(0)
@@ -234,14 +234,6 @@ def run(args) -> dict:
 FORWARDS = {"ours": fused_moe, "gmm": fused_moe_grouped_mm, "naive": naive_forward, "sonic": sonic.fused_moe_sonic}
 # Each row of ours carries its speed against these, where they ran: speedup_vs_<name> [lo, hi].
 COMPARED = ("gmm", "sonic")
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _add_speedups(timings: dict, rows: dict) -> None:

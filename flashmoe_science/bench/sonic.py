@@ -45,6 +45,19 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def versions() -> str:
+    """The installed versions of SonicMoE and the QuACK kernels it runs, for the results' meta."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package):
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "unknown"
+
+    return f"sonic-moe {of('sonic-moe')}, quack-kernels {of('quack-kernels')}"
+
+
 def fused_moe_sonic(x, w1, w2, router_logits, top_k):
     """out (T, H): SonicMoE's SwiGLU experts on softmax top-k routing of `router_logits`,
     renormalised, with w1 (E, 2I, H) [gate; up] and w2 (E, H, I) read in place."""
