@@ -17,7 +17,7 @@ _MARKER = re.compile(r"(<!-- results:(?P<name>[\w+-]+) -->\n)(?P<body>.*?)(<!-- 
 _IMPL_NAMES = {"sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient",
                "flex": "Flex (compiled)", "ours": "ours", "sdpa_default": "SDPA default", "sdpa_math": "SDPA math",
                "sdpa_padded": "SDPA padded + mask", "flex_document": "Flex document mask",
-               "naive": "per-expert loop", "grouped_mm": "grouped-mm"}
+               "naive": "per-expert loop", "grouped_mm": "grouped-mm", "gmm": "grouped-mm", "sonic": "SonicMoE"}
 # The train section's sides: how each calls attention from the block's QKV projection.
 _TRAIN_NAMES = {"ours_packed": "ours, `flash_attention_qkvpacked` on the projection",
                 "ours": "ours, `flash_attention_science` on q, k, v views", "sdpa_default": "SDPA default"}
@@ -302,9 +302,8 @@ def render_moe(name: str, result: dict) -> str:
     memory = [(key, by) for key, by in grid.items() if any("peak_extra_mib" in r for r in by.values())]
     if memory:
         impls = [i for i in ("ours", "gmm", "sonic", "naive") if any(i in by for _, by in memory)]
-        names = {"ours": "ours", "gmm": "grouped-mm", "sonic": "SonicMoE", "naive": "per-expert loop"}
         out += ["", "Peak memory of one forward+backward beyond its inputs (activations, saved tensors, gradients), "
-                "MiB:", "", "| model | T | " + " | ".join(names[i] for i in impls) + " |",
+                "MiB:", "", "| model | T | " + " | ".join(_IMPL_NAMES[i] for i in impls) + " |",
                 "|---|---|" + "---|" * len(impls)]
         for (shape, *_, t), by in memory:
             out.append(f"| {shape} | {t} | " + " | ".join(_fmt(by.get(i, {}).get("peak_extra_mib")) for i in impls)
@@ -639,13 +638,12 @@ def render_headline(results_dir) -> str:
             if "ours" in rows and "gmm" in rows:
                 # grouped_mm, and SonicMoE where the run had it; a decode-sized call: its GPU
                 # time in a CUDA graph, where every side has one
-                peers = [(impl, names) for impl, names in (("gmm", _IMPL_NAMES["grouped_mm"]), ("sonic", "SonicMoE"))
-                         if impl in rows]
-                key = "graph_ms" if all("graph_ms" in rows[i] for i in ("ours", *dict(peers))) else "ms"
+                peers = [impl for impl in ("gmm", "sonic") if impl in rows]
+                key = "graph_ms" if all("graph_ms" in rows[i] for i in ("ours", *peers)) else "ms"
                 ours = rows["ours"][key]
                 case = f"{shape} T={tokens}" + (", CUDA graph" if key == "graph_ms" else "")
-                theirs = " / ".join(f"{rows[impl][key]:.3f} ms ({who})" for impl, who in peers)
-                ratios = " / ".join(f"{rows[impl][key] / ours:.2f}x" for impl, _ in peers)
+                theirs = " / ".join(f"{rows[impl][key]:.3f} ms ({_IMPL_NAMES[impl]})" for impl in peers)
+                ratios = " / ".join(f"{rows[impl][key] / ours:.2f}x" for impl in peers)
                 out.append(f"| {label} | {case} | {ours:.3f} ms | {theirs} | {ratios} | `{name}.json` |")
     result = _load(results_dir, "model")
     if result is not None:
