@@ -6,6 +6,7 @@ The compile check shares the session's `compiled_rows` (tests/conftest.py)."""
 import pytest
 import torch
 
+from flashmoe_science.bench.moe import SHAPES
 from flashmoe_science.device import SHARED_MEMORY_PER_BLOCK, SUPPORTED_TARGETS, DeviceInfo, info_for
 from flashmoe_science.launch import last_launch
 from flashmoe_science.moe import builds, configs, experts, fused_experts, fused_moe, moe_route
@@ -129,13 +130,15 @@ def test_tune_picks_a_table_entry_and_later_calls_use_it(device, monkeypatch):
 
 
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
-def test_backward_gathers_x_into_layout_order_only_at_long_loads_with_tma(capability):
+def test_backward_gathers_x_into_layout_order_only_where_the_copy_is_smaller_than_d_gate_up(capability):
     """gather_x (dW1 from a layout-order copy of x) needs descriptors, so it comes with tma; on
-    Hopper the 16-bit backward takes it past LONG_LOAD pairs per expert (Mixtral at 16k tokens)
-    and nowhere below, where the copy costs what it saves."""
+    Hopper the 16-bit prefill backward takes it where the (rows, H) copy is smaller than
+    d [gate, up] (rows, 2I): Mixtral's and DeepSeek-V2-Lite's widths, not Qwen3-30B-A3B's or
+    OLMoE's, where it costs more memory than it saves time; nor at the decode tiles."""
     assert all(cfg.tma for _, _, cfg in configs.backward_configs(capability) if cfg.gather_x)
     device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
-    long = configs.backward_config(device, 2, 128, configs.LONG_LOAD + 1)
-    assert long.gather_x == (capability == 90)
-    assert not configs.backward_config(device, 2, 128, configs.LONG_LOAD).gather_x
-    assert not configs.backward_config(device, 4, 64, 10 * configs.LONG_LOAD).gather_x
+    for (_, _, H, I), gathers in ((SHAPES["mixtral-8x7b"], True), (SHAPES["deepseek-v2-lite"], True),
+                                  (SHAPES["qwen3-30b-a3b"], False), (SHAPES["olmoe-1b-7b"], False)):
+        assert configs.backward_config(device, 2, 128, H, I).gather_x == (gathers and capability == 90)
+        assert not configs.backward_config(device, 2, 16, H, I).gather_x
+        assert not configs.backward_config(device, 4, 64, H, I).gather_x

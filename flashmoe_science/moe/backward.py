@@ -82,8 +82,7 @@ class BackwardPlan:
         # layout says which.
         self.block_m = sorted_pairs.numel() // self.num_blocks
         device = info_for(x)
-        self.config = config or configs.backward_config(device, x.element_size(), self.block_m,
-                                                        configs.pairs_per_expert(T, self.top_k, E))
+        self.config = config or configs.backward_config(device, x.element_size(), self.block_m, H, self.inter)
         self.tma = self.config.tma and experts.tma_capable(x)
         self.copy_x = x.stride(1) != 1
         # Weights with unit stride along either of their last two dimensions are read in place.
@@ -217,8 +216,8 @@ def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
     E, two_i, _ = w1.shape
     device = info_for(hidden_states)
     forward = configs.experts_config(device, hidden_states.element_size(), T, top_k, E, H, two_i // 2)
-    return {"backward_config": str(configs.backward_config(device, hidden_states.element_size(), forward.block_m,
-                                                           configs.pairs_per_expert(T, top_k, E)))}
+    return {"backward_config": str(configs.backward_config(device, hidden_states.element_size(), forward.block_m, H,
+                                                           two_i // 2))}
 
 
 def gradient_like(w: torch.Tensor) -> torch.Tensor:

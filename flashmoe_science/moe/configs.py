@@ -144,7 +144,7 @@ class BackwardConfig:
     gather_x (with tma): grad_w1 reads x from a copy in layout order (rows, H), written by one
     gather launch before it, through a descriptor, instead of gathering x by token in its loop:
     the same tiles in the same order, so the same bits, for a transient buffer of the layout's
-    rows times H (measured below, at BACKWARD_LONG).
+    rows times H (measured below, at BACKWARD_GATHER_X).
     """
 
     grad_gate_up: GemmConfig
@@ -201,17 +201,17 @@ BACKWARD = {
     80: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},
     89: {2: _BACKWARD_SMALL_SMEM, 4: _BACKWARD_FP32},
 }
-# Past LONG_LOAD pairs per expert (Mixtral-8x7B at 16k tokens: 4096) BACKWARD_LONG[family][element
-# bytes][forward BLOCK_M] replaces the entry: dW1 reads a layout-order copy of x (gather_x) in
-# 128 x 256 tiles, 3 stages. Timed alone on an H100 at 16k tokens (out of tree), Mixtral-8x7B's
-# dW1 takes 11.1 ms so, plus 0.2-0.6 ms for the copy, against 14.3 ms for the best gathering
-# kernel (256 x 128 tiles, 5 stages; a gathered operand pipelines at most 3 loads deep, dense
-# descriptor loads all the stages). At Qwen3-30B-A3B's and OLMoE's 1024 pairs per expert and
-# k = 8 the copy (8 rows of x per token) costs what the dense kernel saves (1.48-1.53 + about
-# 0.4 ms against 1.80 ms), so those keep the gathering kernel. The copy is one more buffer of
-# T * k rows of x while dW1 is computed: 4% of Mixtral's forward+backward peak at 16k tokens.
-LONG_LOAD = 2048
-BACKWARD_LONG = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True)}}}
+# Where x's copy in layout order is smaller than d [gate, up] (H < 2I: the copy is (rows, H) and
+# d [gate, up], alive beside it, (rows, 2I)), BACKWARD_GATHER_X[family][element bytes][forward
+# BLOCK_M] replaces the entry: dW1 reads that copy (gather_x) in 128 x 256 tiles, 3 stages,
+# instead of gathering x by token (a gathered operand pipelines at most 3 loads deep, dense
+# descriptor loads all the stages). H100, bf16, forward+backward, the two alternating in one
+# process (out of tree): Mixtral-8x7B 1.08x at 4096 and 16k tokens (peak +2% and +0%),
+# DeepSeek-V2-Lite 1.03x at 16k (+2%); dW1 and its copy alone 17.3 -> 11.8 + 0.15 ms at
+# Mixtral's 16k tokens, 2.48 -> 2.16 + 0.02 at 2048. Where H >= 2I the copy buys less and costs
+# more memory: Qwen3-30B-A3B 1.01-1.02x for +14-31% of the peak, OLMoE-1B-7B 1.02-1.04x for
+# +1-17%; those keep the gathering kernel.
+BACKWARD_GATHER_X = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True)}}}
 del G, B, W
 
 # The largest BLOCK_M of any table (bounds the padding rows of the sorted layout).
@@ -343,13 +343,13 @@ def experts_config(device: DeviceInfo, element_size: int, num_tokens: int, top_k
     return tuned or next(cfg for b, cfg in table if b == bound)
 
 
-def backward_config(device: DeviceInfo, element_size: int, block_m: int, load: int) -> BackwardConfig:
+def backward_config(device: DeviceInfo, element_size: int, block_m: int, hidden: int, inter: int) -> BackwardConfig:
     """The backward's tiling on `device` for inputs of `element_size` bytes laid out in blocks of
-    `block_m` rows by the forward, with `load` token-expert pairs per expert on average."""
-    if load > LONG_LOAD:
-        long = BACKWARD_LONG.get(device.arch_family, {}).get(element_size, {}).get(block_m)
-        if long is not None:
-            return long
+    `block_m` rows by the forward, with `hidden` (H) and `inter` (I) the experts' widths."""
+    if hidden < 2 * inter:
+        gather_x = BACKWARD_GATHER_X.get(device.arch_family, {}).get(element_size, {}).get(block_m)
+        if gather_x is not None:
+            return gather_x
     return BACKWARD[device.arch_family][element_size][block_m]
 
 
@@ -372,7 +372,7 @@ def experts_configs(capability: int):
 
 def backward_configs(capability: int):
     """Every (element size, forward BLOCK_M, BackwardConfig) the backward can pick on `capability`."""
-    for table in (BACKWARD, BACKWARD_LONG):
+    for table in (BACKWARD, BACKWARD_GATHER_X):
         for element_size, by_block_m in table.get(family_of(capability), {}).items():
             for block_m, cfg in by_block_m.items():
                 yield element_size, block_m, cfg
