@@ -201,16 +201,16 @@ BACKWARD = {
     80: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},
     89: {2: _BACKWARD_SMALL_SMEM, 4: _BACKWARD_FP32},
 }
-# Where x's copy in layout order is smaller than d [gate, up] (H < 2I: the copy is (rows, H) and
-# d [gate, up], alive beside it, (rows, 2I)), BACKWARD_GATHER_X[family][element bytes][forward
-# BLOCK_M] replaces the entry: dW1 reads that copy (gather_x) in 128 x 256 tiles, 3 stages,
-# instead of gathering x by token (a gathered operand pipelines at most 3 loads deep, dense
-# descriptor loads all the stages). H100, bf16, forward+backward, the two alternating in one
-# process (out of tree): Mixtral-8x7B 1.08x at 4096 and 16k tokens (peak +2% and +0%),
-# DeepSeek-V2-Lite 1.03x at 16k (+2%); dW1 and its copy alone 17.3 -> 11.8 + 0.15 ms at
-# Mixtral's 16k tokens, 2.48 -> 2.16 + 0.02 at 2048. Where H >= 2I the copy buys less and costs
-# more memory: Qwen3-30B-A3B 1.01-1.02x for +14-31% of the peak, OLMoE-1B-7B 1.02-1.04x for
-# +1-17%; those keep the gathering kernel.
+# Where the experts are wider than the model (H < I: Mixtral-8x7B), BACKWARD_GATHER_X[family]
+# [element bytes][forward BLOCK_M] replaces the entry: dW1 reads x copied into layout order
+# (gather_x) in 128 x 256 tiles, 3 stages, instead of gathering x by token (a gathered operand
+# pipelines at most 3 loads deep, dense descriptor loads all the stages). The copy, (rows, H),
+# is then small beside the (rows, 2I) d [gate, up] and the (E, 2I, H) dW1 alive with it. H100,
+# bf16, forward+backward, the two alternating in one process (out of tree): Mixtral 1.08x at
+# 4096 and 16k tokens, for +2% and +0% of the layer's peak memory; dW1 and its copy alone
+# 17.3 -> 11.8 + 0.15 ms at 16k tokens, 2.48 -> 2.16 + 0.02 at 2048. Where H >= I the copy
+# costs more of the peak than it saves time: DeepSeek-V2-Lite 1.03x for +2-10%, Qwen3-30B-A3B
+# 1.01-1.02x for +14-31%, OLMoE-1B-7B 1.02-1.04x for +1-17%; those keep the gathering kernel.
 BACKWARD_GATHER_X = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True)}}}
 del G, B, W
 
@@ -346,7 +346,7 @@ def experts_config(device: DeviceInfo, element_size: int, num_tokens: int, top_k
 def backward_config(device: DeviceInfo, element_size: int, block_m: int, hidden: int, inter: int) -> BackwardConfig:
     """The backward's tiling on `device` for inputs of `element_size` bytes laid out in blocks of
     `block_m` rows by the forward, with `hidden` (H) and `inter` (I) the experts' widths."""
-    if hidden < 2 * inter:
+    if hidden < inter:
         gather_x = BACKWARD_GATHER_X.get(device.arch_family, {}).get(element_size, {}).get(block_m)
         if gather_x is not None:
             return gather_x
