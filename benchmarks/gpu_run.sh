@@ -36,6 +36,15 @@ if [ -n "${ARCHIVES:-}" ]; then
   mkdir -p "$WHEEL_DIR"
   for archive in "$ARCHIVES"/*.tar.xz; do tar -xJf "$archive" -C "$WHEEL_DIR" || exit 1; done
 fi
+# JIT_CACHE: a folder (carried, ignored) of the CuTe DSL kernels that SonicMoE and FA4 compile on
+# their first calls (QuACK's object cache and the DSL's own, keyed by source and versions), so a
+# fresh machine skips those minutes; the call's cache comes back as $OUT/jit_cache.tar.gz, to
+# unpack into that folder for the next call.
+if [ -n "${JIT_CACHE:-}" ]; then
+  mkdir -p "$JIT_CACHE/quack" "$JIT_CACHE/cute_dsl" || exit 1
+  JIT_CACHE=$(cd "$JIT_CACHE" && pwd)
+  export QUACK_CACHE_DIR="$JIT_CACHE/quack" CUTE_DSL_CACHE_DIR="$JIT_CACHE/cute_dsl"
+fi
 if [ -d "$WHEEL_DIR" ]; then
   export PYTHONPATH="$PYTHONPATH:$WHEEL_DIR"
   for pth in "$WHEEL_DIR"/*.pth; do
@@ -152,4 +161,5 @@ for stage in "${stages[@]}"; do
 done
 # The Tc fold models (model.pt, megabytes each) stay out: the device tool returns little.
 tar -czf "$OUT/results.tar.gz" --exclude=model.pt -C "$RESULTS" .
+[ -n "${JIT_CACHE:-}" ] && tar -czf "$OUT/jit_cache.tar.gz" -C "$JIT_CACHE" .
 exit $status
