@@ -24,8 +24,18 @@ def shipped_builds(capability: int):
     and that divisibility share a build. Routing, dispatch and
     combine: each layout mode x logits or output dtype; every other argument of those kernels
     is a runtime value. Index tensors are int32 and routing weights fp32 at every launch (the
-    launchers convert other dtypes first).
+    launchers convert other dtypes first). Each build once: the backward tables share every
+    kernel's tiling but dW1's (BACKWARD_GATHER_X), which would list the others twice.
     """
+    labels = set()
+    for build in _builds(capability):
+        if build.label not in labels:
+            labels.add(build.label)
+            yield build
+
+
+def _builds(capability: int):
+    """`shipped_builds`, possibly repeated."""
     from ._kernels.backward import (gather_rows_kernel, grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel,
                                     grad_x_kernel)
     from ._kernels.combine import combine_kernel
