@@ -19,11 +19,15 @@ With a fixed `capacity` the exchanges (one row per assignment) have sizes fixed 
 instead: no count exchange, no host synchronisation, assignments past the capacity dropped and
 counted.
 
-The exchanges are torch.distributed's functional collectives (`all_to_all_single_autograd`,
-whose backward is the reverse exchange), so autograd runs through them: input gradients come back to the tokens' ranks,
-expert-weight gradients stay with the experts' owner (the sum over every rank's tokens), and the
-router and shared-expert gradients are each rank's own (all-reduce them as for any replicated
-parameter, with DDP or FSDP). NCCL on GPUs, gloo on CPUs: any backend with all_to_all_single.
+Autograd runs through the exchanges (each one's backward is the reverse exchange): input
+gradients come back to the tokens' ranks, expert-weight gradients stay with the experts' owner
+(the sum over every rank's tokens), and the router and shared-expert gradients are each rank's
+own (all-reduce them as for any replicated parameter, with DDP or FSDP). The dropless exchanges
+are `dist.all_to_all_single` calls made asynchronous and waited for on the stream (each token's
+row and its routing packed into one exchange), the least host time a call, since a dropless call
+synchronises with the host once anyway; the fixed-capacity ones are torch.distributed's
+functional collectives, which torch.compile traces. NCCL on GPUs, gloo on CPUs: any backend with
+all_to_all_single.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from torch import nn
 
 from .layers.moe import FlashMoELayer, count_values, router_statistics
 from .moe import fused_experts, moe_route
+from .moe.experts import gather_sum
 from .moe.reference import gated_activation_torch
 
 # The most chunks a dropless call is pipelined in (their count travels with the exchange's sizes).
@@ -143,9 +148,7 @@ class ExpertParallelMoE(nn.Module):
     def _compute(self, rows, local_ids, weights):
         """This rank's experts on the rows it received: each row through its local experts (ids
         (n, m); -1 is a slot for another rank's expert, or empty, and adds nothing), scaled by
-        their routing weights (n, m) and summed. The exchanged tensors are
-        waited for here, as the kernels read plain tensors."""
-        rows, local_ids, weights = (_waited(t) for t in (rows, local_ids, weights))
+        their routing weights (n, m) and summed."""
         return fused_experts(rows, self.w1, self.w2, weights, local_ids, activation=self.activation)
 
     def _sorted_by_owner(self, ids):
@@ -156,18 +159,22 @@ class ExpertParallelMoE(nn.Module):
         owner_sorted = owner[order]
         return order, owner_sorted, (ids[order] - owner_sorted * self.local_experts).to(torch.int32)
 
+    # Run eagerly under torch.compile: the call synchronises with the host once to size its
+    # exchanges, so there is nothing to trace whole, and its exchanges are eager c10d calls.
+    @torch.compiler.disable
     def _dropless(self, tokens, ids, weights, meanwhile):
         """(the tokens' expert outputs (T, H), computed by the ranks that own the experts and
-        summed; what `meanwhile()` returns, called while the rows are in flight: the collectives
-        are asynchronous until their results are read).
+        summed; what `meanwhile()` returns, called while the rows are in flight).
 
         Each token travels once to each rank that owns any of its k experts (not once per
-        expert), with its k local expert ids (-1 where another rank owns the expert) and weights;
-        the owner sums its share of the k weighted outputs before sending one row back. With
-        `chunk_tokens` the tokens go in chunks of that many (at most MAX_CHUNKS, larger ones past
-        that), a pipeline: chunk c + 2 is sent, and chunk c's results come back, while chunk
-        c + 1 is computed. Every chunk's sizes, and each rank's chunk count, are exchanged at
-        once first: one host synchronisation a call."""
+        expert), with its k local expert ids (-1 where another rank owns the expert) and weights
+        packed behind its row: one exchange each way. The owner sums its share of the k weighted
+        outputs before sending one row back. With `chunk_tokens` the tokens go in chunks of that
+        many (at most MAX_CHUNKS, larger ones past that), a pipeline: chunk c + 2 is sent, and
+        chunk c's results come back, while chunk c + 1 is computed. Every chunk's sizes, and each
+        rank's chunk count, are exchanged at once first: one host synchronisation a call, before
+        which everything but the rows' gather is prepared, so the exchange starts as soon as the
+        sizes are known."""
         group = self.group or dist.group.WORLD
         k, world = self.top_k, self.world_size
         T = tokens.shape[0]
@@ -177,59 +184,48 @@ class ExpertParallelMoE(nn.Module):
         bounds = [(s, min(s + size, T)) for s in range(0, T, size)]
         counts = torch.zeros(world, 1 + MAX_CHUNKS, dtype=torch.int64, device=tokens.device)
         counts[:, 0] = max(1, len(bounds))  # this rank's chunks, then each chunk's rows per destination
-        pairs = []  # per chunk: its (token, rank) pairs, rank-major, those present first
+        chunks = []
         for c, (s, e) in enumerate(bounds):
-            owner = torch.div(ids[s:e], self.local_experts, rounding_mode="floor")
-            present = torch.zeros(e - s, world, dtype=torch.bool, device=tokens.device).scatter_(1, owner.long(), True)
-            pairs.append(torch.argsort(~present.t().flatten(), stable=True))
-            counts[:, 1 + c] = present.sum(0)
-        received = funcol.all_to_all_single(counts.flatten(), None, None, group).view(world, 1 + MAX_CHUNKS)
+            chunk = _Pairs(ids[s:e], weights[s:e], self.local_experts, world)
+            counts[:, 1 + c] = chunk.per_rank
+            chunks.append(chunk)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        self.dropped_assignments = torch.zeros((), dtype=torch.int64, device=tokens.device)
         sent, received = torch.stack([counts, received]).tolist()  # one host synchronisation
         # Every rank runs as many exchanges as the rank with the most chunks; the others send nothing in theirs.
         num_chunks = max(row[0] for row in sent + received)
         send_sizes = [[row[1 + c] for row in sent] for c in range(num_chunks)]
         recv_sizes = [[row[1 + c] for row in received] for c in range(num_chunks)]
-        self.dropped_assignments = torch.zeros((), dtype=torch.int64, device=tokens.device)
-        chunks = [self._pair_payload(tokens[s:e], ids[s:e], weights[s:e], pairs[c][:sum(send_sizes[c])])
-                  for c, (s, e) in enumerate(bounds)]
-        no_pairs = torch.zeros(0, dtype=torch.int64, device=tokens.device)
-        chunks += [self._pair_payload(tokens[:0], ids[:0], weights[:0], no_pairs)] * (num_chunks - len(chunks))
+        starts = [s for s, _ in bounds]
+        if num_chunks > len(chunks):
+            chunks += [_Pairs(ids[:0], weights[:0], self.local_experts, world)] * (num_chunks - len(chunks))
+            starts += [0] * (num_chunks - len(starts))
 
         def send(c):
-            rows, routing = chunks[c][:2]
-            return (funcol.all_to_all_single_autograd(rows, recv_sizes[c], send_sizes[c], group),
-                    funcol.all_to_all_single_autograd(routing, recv_sizes[c], send_sizes[c], group))
+            pending = []
+            n = sum(send_sizes[c])
+            chunk, rows = chunks[c], tokens[starts[c]:starts[c] + chunks[c].tokens]
+            rows, routing = _SendRows.apply(rows, chunk.routing[:n], chunk.source[:n], chunk.position,
+                                            send_sizes[c], recv_sizes[c], group, pending)
+            return rows, routing, pending
 
         in_flight = [send(c) for c in range(min(2, num_chunks))]
         result = meanwhile()
         returned = []
         for c in range(num_chunks):
-            rows, routing = in_flight[c]
-            routing = _waited(routing)
+            rows, routing, pending = in_flight[c]
+            _wait(pending)
             computed = self._compute(rows, routing[:, :k].to(torch.int32), routing[:, k:])
-            returned.append(funcol.all_to_all_single_autograd(computed, send_sizes[c], recv_sizes[c], group))
+            returned.append(_Exchange.apply(computed, send_sizes[c], recv_sizes[c], group, pending))
             if c + 2 < num_chunks:
                 in_flight.append(send(c + 2))
         # Summed only now: reading a chunk's returned rows makes the computation wait for them.
-        outputs = [_Combine.apply(_waited(rows), source, position)
-                   for rows, (_, _, source, position) in zip(returned, chunks)]
+        outputs = []
+        for c, rows in enumerate(returned):
+            _wait(in_flight[c][2])
+            outputs.append(_Combine.apply(rows, chunks[c].source[:sum(send_sizes[c])], chunks[c].position))
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), result
-
-    def _pair_payload(self, tokens, ids, weights, pairs):
-        """What one chunk sends, for its (token, rank) pairs `pairs` (indices rank * Tc + token,
-        rank-major): (the rows (n, H); the routing (n, 2k) fp32: each pair's k local expert ids, -1
-        where another rank owns the expert, then their weights, 0 there; each pair's token (n,);
-        each token's pair per rank (Tc, W), n where it has none)."""
-        T, world = tokens.shape[0], self.world_size
-        rank, source = torch.div(pairs, T, rounding_mode="floor"), pairs % max(T, 1)
-        ids = ids[source]
-        owned = torch.div(ids, self.local_experts, rounding_mode="floor") == rank.unsqueeze(1)
-        local_ids = torch.where(owned, ids - rank.unsqueeze(1) * self.local_experts, -1)
-        routing = torch.cat([local_ids.to(weights.dtype), torch.where(owned, weights[source], 0.0)], 1)
-        position = torch.full((world * T,), pairs.numel(), dtype=torch.int64, device=tokens.device)
-        position = position.index_copy(0, pairs, torch.arange(pairs.numel(), device=tokens.device))
-        position = position.view(world, T).t()
-        return _Gather.apply(tokens, source, position), routing, source, position
 
     def _fixed_capacity(self, tokens, ids, weights, meanwhile):
         """As `_dropless` (in one chunk), through buffers of `capacity` rows per rank pair: each
@@ -255,7 +251,8 @@ class ExpertParallelMoE(nn.Module):
         received_weights = funcol.all_to_all_single_autograd(slot_weights, None, None, group)
         received = funcol.all_to_all_single_autograd(send, None, None, group)
         result = meanwhile()
-        computed = self._compute(received, _waited(received_ids).unsqueeze(1), _waited(received_weights).unsqueeze(1))
+        computed = self._compute(_waited(received), _waited(received_ids).unsqueeze(1),
+                                 _waited(received_weights).unsqueeze(1))
         returned = funcol.all_to_all_single_autograd(computed, None, None, group)
         back = torch.cat([returned, returned.new_zeros(1, self.hidden_size)])[slot]
         return back[torch.argsort(order)].view(-1, self.top_k, self.hidden_size).sum(1), result
@@ -271,37 +268,113 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _sum_rows(rows: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum over j of rows[position[t, j]] (fp32 accumulation, in a fixed order), a
-    position of rows.shape[0] adding nothing."""
-    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-    return padded.index_select(0, position.reshape(-1)).view(*position.shape, rows.shape[1]).sum(1)
+class _Pairs:
+    """One chunk's (token, rank) pairs, each token once per rank owning any of its k experts,
+    built on the device without reading anything back:
+    - per_rank (W,): how many pairs go to each rank;
+    - source (W Tc,): each pair's token, rank-major with the present pairs first (the first
+      per_rank.sum() of them are sent; that count is read with the exchange's sizes);
+    - routing (W Tc, 2k) fp32: each pair's k local expert ids (-1 where another rank owns the
+      expert), then their weights (0 there);
+    - position (Tc, W): each token's pair per rank, per_rank.sum() where it has none."""
+
+    def __init__(self, ids, weights, local_experts, world):
+        T = self.tokens = ids.shape[0]
+        owner = torch.div(ids, local_experts, rounding_mode="floor")
+        present = torch.zeros(T, world, dtype=torch.bool, device=ids.device).scatter_(1, owner.long(), True)
+        self.per_rank = present.sum(0)
+        flat = present.t().flatten()
+        pairs = torch.argsort(~flat, stable=True)
+        rank, self.source = torch.div(pairs, max(T, 1), rounding_mode="floor"), pairs % max(T, 1)
+        pair_ids = ids[self.source]
+        owned = torch.div(pair_ids, local_experts, rounding_mode="floor") == rank.unsqueeze(1)
+        local_ids = torch.where(owned, pair_ids - rank.unsqueeze(1) * local_experts, -1)
+        weights = weights.to(torch.float32)
+        self.routing = torch.cat([local_ids.to(torch.float32), torch.where(owned, weights[self.source], 0.0)], 1)
+        inverse = torch.empty_like(pairs).index_copy_(0, pairs, torch.arange(pairs.numel(), device=ids.device))
+        self.position = torch.where(flat, inverse, flat.sum()).view(world, T).t()
 
 
-class _Gather(torch.autograd.Function):
-    """The rows to send: rows[p] = tokens[source[p]] (position: each token's rows, (T, m)). Its
-    backward sums each token's rows' gradients, a gather, not the scatter-add autograd would
-    make of an index."""
+def _all_to_all(t: torch.Tensor, output_sizes, input_sizes, group, pending: list | None = None) -> torch.Tensor:
+    """`dist.all_to_all_single` of t's rows into a new tensor. With `pending` the exchange is
+    asynchronous: its work goes on `pending`, to be waited for (`_wait`) before the result is
+    read. Without it, an NCCL exchange only orders the current stream after it (no host wait)."""
+    out = t.new_empty((sum(output_sizes), *t.shape[1:]))
+    work = dist.all_to_all_single(out, t.contiguous(), output_sizes, input_sizes, group=group,
+                                  async_op=pending is not None)
+    if pending is not None:
+        pending.append(work)
+    return out
+
+
+def _wait(pending: list) -> None:
+    """Wait for the exchanges on `pending` (NCCL: the current stream waits, not the host)."""
+    while pending:
+        pending.pop().wait()
+
+
+class _SendRows(torch.autograd.Function):
+    """The rows for the experts' owners and their routing, in one exchange: rows[p] =
+    tokens[source[p]], with routing[p] packed behind it in one byte row, sent asynchronously (the
+    work on `pending`). Returns the received rows and routing, views of the received bytes. Its
+    backward sends both gradients back and sums each token's rows' gradients (position: each
+    token's rows, (T, m)).
+
+    The routing starts 16-byte aligned, and a byte row is a multiple of 16 elements of the rows'
+    dtype: the kernels then read the received rows, whose stride that is, with 16-byte loads
+    (Triton proves them from a stride divisible by 16; with Qwen3's 4160-byte rows it holds,
+    with DeepSeek-V2-Lite's 4144 it did not, and its gate/up and dW1 ran 3 and 10 times
+    slower)."""
 
     @staticmethod
-    def forward(ctx, tokens, source, position):
+    def forward(ctx, tokens, routing, source, position, send_sizes, recv_sizes, group, pending):
+        row_bytes, routing_bytes = tokens.shape[1] * tokens.element_size(), routing.shape[1] * 4
+        routing_start, align = -(-row_bytes // 16) * 16, 16 * tokens.element_size()
+        packed = torch.empty(source.numel(), -(-(routing_start + routing_bytes) // align) * align, dtype=torch.uint8,
+                             device=tokens.device)
+        torch.index_select(tokens, 0, source, out=packed[:, :row_bytes].view(tokens.dtype))
+        packed[:, routing_start:routing_start + routing_bytes].view(torch.float32).copy_(routing)
+        received = _all_to_all(packed, recv_sizes, send_sizes, group, pending)
         ctx.save_for_backward(position)
-        return tokens.index_select(0, source)
+        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        return (received[:, :row_bytes].view(tokens.dtype),
+                received[:, routing_start:routing_start + routing_bytes].view(torch.float32))
 
     @staticmethod
-    def backward(ctx, grad_rows):
+    def backward(ctx, grad_rows, grad_routing):
         (position,) = ctx.saved_tensors
-        return _sum_rows(grad_rows, position), None, None
+        send_sizes, recv_sizes = ctx.sizes
+        grad_tokens = grad_routing_sent = None
+        if ctx.needs_input_grad[0]:
+            grad_tokens = gather_sum(_all_to_all(grad_rows, send_sizes, recv_sizes, ctx.group), position)
+        if ctx.needs_input_grad[1]:
+            grad_routing_sent = _all_to_all(grad_routing, send_sizes, recv_sizes, ctx.group)
+        return grad_tokens, grad_routing_sent, None, None, None, None, None, None
+
+
+class _Exchange(torch.autograd.Function):
+    """`_all_to_all` of t, asynchronous (the work on `pending`); its backward sends the
+    gradient back the reverse way."""
+
+    @staticmethod
+    def forward(ctx, t, output_sizes, input_sizes, group, pending):
+        ctx.sizes, ctx.group = (output_sizes, input_sizes), group
+        return _all_to_all(t, output_sizes, input_sizes, group, pending)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_sizes, input_sizes = ctx.sizes
+        return _all_to_all(grad, input_sizes, output_sizes, ctx.group), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """The tokens' outputs from the rows that came back: out[t] = sum over j of
-    rows[position[t, j]]; its backward hands each row its token's gradient (`_Gather`'s forward)."""
+    rows[position[t, j]]; its backward hands each row its token's gradient."""
 
     @staticmethod
     def forward(ctx, rows, source, position):
         ctx.save_for_backward(source)
-        return _sum_rows(rows, position)
+        return gather_sum(rows, position)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -196,6 +196,29 @@ def test_strided_inputs(device):
     assert rel_error(out, ref) < (1e-5 if device.type == "cpu" else 5e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_sum_adds_the_named_rows_in_fp32(device, dtype):
+    """gather_sum (expert parallelism's combine): out[t] = the sum of rows[index[t, j]] over j,
+    an index outside [0, N) adding nothing (-1, N and past it), with an index read through a
+    transposed view and rows of a larger stride; no tokens, and rows but no index."""
+    N, H, T, m = 11, 40, 9, 3
+    wide = torch.randn(N, H + 8, device=device).to(dtype)
+    rows = wide[:, 4:4 + H]
+    index = torch.randint(0, N, (m, T), device=device)
+    index[0, 1], index[1, 1], index[2, 1] = -1, N, N + 5  # a token with nothing to add
+    index[1, 3] = -1
+    index = index.t()  # (T, m), strides (1, T)
+    out = experts.gather_sum(rows, index)
+    valid = (index >= 0) & (index < N)
+    ref = torch.where(valid[..., None], rows.double()[index.clamp(0, N - 1)], 0.0).sum(1)
+    assert out.dtype == dtype and out.shape == (T, H)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert experts.gather_sum(rows, index[:0]).shape == (0, H)
+    assert torch.equal(experts.gather_sum(rows[:0], torch.full((2, 3), 0, device=device)),
+                       torch.zeros(2, H, device=device, dtype=dtype))
+
+
 def config_forcer(monkeypatch, plans_owner, plans_name: str, table_name: str):
     """force(change): calls run change(what configs.<table_name> picks) from here on (plans keep
     their configuration, so each force starts an empty plans_owner.<plans_name> cache)."""

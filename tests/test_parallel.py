@@ -182,6 +182,15 @@ def _worker(rank, world, store_path, backend):
             x = torch.randn(6, 32, requires_grad=True)
             compiled(x).sum().backward()
             _close(compiled(x), full(x), f"rank {rank} compiled output")
+            # Dropless under torch.compile: its exchange runs eagerly between the compiled parts.
+            compiled = torch.compile(shard_experts(full), backend="aot_eager")
+            x_full, x_compiled = (x.detach().clone().requires_grad_() for _ in range(2))
+            out = compiled(x_compiled)
+            _close(out, full(x_full), f"rank {rank} compiled dropless output")
+            grad_out = torch.randn_like(out)
+            full(x_full).backward(grad_out)
+            out.backward(grad_out)
+            _close(x_compiled.grad, x_full.grad, f"rank {rank} compiled dropless input gradient")
             _check_with_fsdp2(rank, world, device)
     finally:
         dist.destroy_process_group()
@@ -242,8 +251,26 @@ def _single_rank_worker(rank, store_path):
         torch.manual_seed(0)
         full = FlashMoELayer(32, 4, 16, top_k=2, num_shared_experts=1)
         _check_against_full_layer(full, shard_experts(full), torch.randn(7, 32), 0, 1)
+        _check_packed_rows()
     finally:
         dist.destroy_process_group()
+
+
+def _check_packed_rows():
+    """The rows sent to the experts' owners arrive with their routing packed behind them, and
+    with a row stride of a multiple of 16 elements (what lets the kernels load them 16 bytes at
+    a time), whatever the routing's width: Qwen3's k = 8 and DeepSeek's k = 6, bf16 and fp32."""
+    from flashmoe_science.parallel import _SendRows, _wait
+
+    for dtype, H, k in ((torch.bfloat16, 2048, 8), (torch.bfloat16, 2048, 6), (torch.float32, 40, 6)):
+        tokens = torch.randn(5, H).to(dtype)
+        source = torch.tensor([3, 0, 3, 4])
+        routing = torch.randn(4, 2 * k)
+        pending = []
+        rows, got = _SendRows.apply(tokens, routing, source, None, [4], [4], None, pending)
+        _wait(pending)
+        assert torch.equal(rows, tokens[source]) and torch.equal(got, routing)
+        assert rows.stride(0) % 16 == 0 and rows.stride(1) == 1, (dtype, k, rows.stride())
 
 
 @needs_interpreter

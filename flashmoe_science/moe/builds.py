@@ -38,7 +38,7 @@ def _builds(capability: int):
     """`shipped_builds`, possibly repeated."""
     from ._kernels.backward import (gather_rows_kernel, grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel,
                                     grad_x_kernel)
-    from ._kernels.combine import combine_kernel
+    from ._kernels.combine import combine_kernel, gather_sum_kernel
     from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_kernel
     from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
 
@@ -203,5 +203,9 @@ def _builds(capability: int):
     for dtype in ("fp16", "bf16", "fp32"):
         yield build(f"moe_combine {dtype}", combine_kernel,
                     dict(y_ptr=f"*{dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),
+                    dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,
+                    aligned=("H",))
+        yield build(f"moe_gather_sum {dtype}", gather_sum_kernel,
+                    dict(rows_ptr=f"*{dtype}", index_ptr="*i64", out_ptr=f"*{dtype}"),
                     dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,
                     aligned=("H",))

@@ -34,12 +34,13 @@ from ..launch import KernelLauncher, PlanCache
 from ..tma import addressable as tma_addressable
 from ..tma import unchecked_descriptor
 from . import configs, fp8, routing
-from ._kernels.combine import combine_kernel
+from ._kernels.combine import combine_kernel, gather_sum_kernel
 from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
 
 _GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel, fp32_dots=True)
 _DOWN = KernelLauncher("moe_down", down_kernel, fp32_dots=True)
 _COMBINE = KernelLauncher("moe_combine", combine_kernel)
+_GATHER_SUM = KernelLauncher("moe_gather_sum", gather_sum_kernel)
 _ID_DTYPES = (torch.int32, torch.int64)
 # The expert kernels' K offsets within a tile are 32-bit (`_kernels/grouped_gemm._expert_tile_ptrs`):
 # weights read in place with a larger stride along K are copied first.
@@ -201,6 +202,26 @@ def launch_combine(key, y, topk_ids, out, num_experts: int, device_index) -> Non
         key, (-(-T // configs.COMBINE_BLOCK_T), -(-H // configs.COMBINE_BLOCK_H), 1),
         (y, topk_ids, out, T, num_experts, H, topk_ids.shape[1], configs.COMBINE_BLOCK_T, configs.COMBINE_BLOCK_H),
         num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index)
+
+
+def gather_sum(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """out (T, H) in rows' dtype: out[t] = sum over j of rows[index[t, j]], accumulated in fp32 in
+    the order j = 0, 1, ... (deterministic); an index outside [0, N) adds nothing. rows (N, H);
+    index (T, m) int64, any strides. One kernel, reading each named row once."""
+    if rows.stride(1) != 1 and rows.shape[1] > 1:
+        rows = rows.contiguous()
+    if index.dtype != torch.int64:
+        index = index.long()
+    (T, m), (N, H) = index.shape, rows.shape
+    out = torch.empty(T, H, dtype=rows.dtype, device=rows.device)
+    if T and H:
+        key = (rows.dtype, H, rows.data_ptr() % 16, index.data_ptr() % 16, out.data_ptr() % 16)
+        _GATHER_SUM.launch(
+            key, (-(-T // configs.COMBINE_BLOCK_T), -(-H // configs.COMBINE_BLOCK_H), 1),
+            (rows, index, out, T, N, H, rows.stride(0), index.stride(0), index.stride(1), m,
+             configs.COMBINE_BLOCK_T, configs.COMBINE_BLOCK_H),
+            num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=rows.device.index)
+    return out
 
 
 def _run_gate_up(plan: _ExpertsPlan, x, w1, layout, activation, h_grads=None, w1_bias=None, interleaved=False):

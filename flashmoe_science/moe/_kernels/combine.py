@@ -1,4 +1,6 @@
 """The combine: out[t] = sum over j of y[t * top_k + j], in fp32, in the fixed order j = 0..k-1.
+(`gather_sum_kernel` sums rows named by an index instead: expert parallelism's rows that come
+back from the experts' ranks.)
 
 The down GEMM leaves each token's k weighted expert outputs in adjacent rows of y, so this
 pass reads y once, contiguously, and the result does not depend on which program finished
@@ -26,3 +28,24 @@ def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, H, top_k, BLOCK_T: tl.constexp
                        mask=ok & routed[:, None], other=0.0).to(tl.float32)
     tl.store(out_ptr + wide_offset(tokens, H)[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=ok)
+
+
+@triton.jit(do_not_specialize=["T", "N", "stride_rows", "stride_index_t", "stride_index_j", "num_sources"])
+def gather_sum_kernel(rows_ptr, index_ptr, out_ptr, T, N, H, stride_rows, stride_index_t, stride_index_j, num_sources,
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over j < num_sources of rows[index[t, j]], in fp32, in the fixed order
+    j = 0, 1, ...; an index outside [0, N) adds nothing. rows: (N, H), unit stride along H;
+    index: (T, num_sources) int64, any strides; out: (T, H) contiguous."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = tokens < T
+    ok = t_ok[:, None] & (cols < H)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    index_ptrs = index_ptr + wide_offset(tokens, stride_index_t)
+    for _ in range(num_sources):
+        row = tl.load(index_ptrs, mask=t_ok, other=-1)
+        index_ptrs += stride_index_j
+        present = (row >= 0) & (row < N)
+        acc += tl.load(rows_ptr + wide_offset(row, stride_rows)[:, None] + cols[None, :],
+                       mask=ok & present[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + wide_offset(tokens, H)[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
