@@ -9,7 +9,8 @@ algorithm.
 - `fp8.py`: the same two GEMMs with FP8 (e4m3) operands and fp32 scales, and the per-row,
   128-column quantisation of the tokens (inference).
 - `combine.py`: the deterministic sum of each token's k weighted expert outputs (and, in the
-  backward, of each token's k input gradients).
+  backward, of each token's k input gradients); `gather_sum_kernel`, the same sum over rows an
+  index names (expert parallelism's rows that come back from the experts' ranks).
 - `backward.py`: the backward GEMMs over the same layout (activation gradient, input gradient,
   and the per-expert weight gradients), and the copy of x into layout order that dW1 reads
   where its configuration asks (`gather_rows_kernel`).
