@@ -8,4 +8,6 @@ them. Each module holds its candidates and its runner; the results files they wr
 - `attention_backward`: the backward's dK/dV and dQ tiles, Triton or Gluon
   (`python -m flashmoe_science.bench.sweeps.attention_backward`).
 - `moe`: the grouped GEMMs' tiles per load bucket, forward and backward (`bench moe --sweep`).
+- `moe_fp8_decode`: the FP8 experts' decode tiling
+  (`python -m flashmoe_science.bench.sweeps.moe_fp8_decode`).
 """
