@@ -15,6 +15,8 @@ import sys
 import numpy
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -276,3 +278,56 @@ def _check_packed_rows():
 @needs_interpreter
 def test_a_group_of_one_runs_the_experts_in_place(tmp_path):
     mp.spawn(_single_rank_worker, args=(str(tmp_path / "store"),), nprocs=1, join=True)
+
+
+@st.composite
+def routings(draw):
+    """A chunk's routing: T tokens (0 included), k distinct experts each of E = world * local, and
+    their weights."""
+    world, local = draw(st.sampled_from([1, 2, 3, 4])), draw(st.sampled_from([1, 2, 4]))
+    E = world * local
+    k = draw(st.integers(1, min(E, 8)))
+    T = draw(st.integers(0, 9))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+    if T and draw(st.booleans()):  # every token to the first rank's experts, when it has k of them
+        ids = ids % local if k <= local else ids
+    ids = ids.to(draw(st.sampled_from([torch.int32, torch.int64])))
+    return ids, torch.rand(T, k, generator=g), local, world
+
+
+@given(routings())
+def test_pairs_send_each_token_once_to_each_rank_owning_its_experts(case):
+    """`_Pairs`, what a dropless call sends: for any routing, the first n = per_rank.sum()
+    pairs are exactly the (token, rank) pairs where the rank owns one of the token's experts, each
+    once, rank by rank; each carries the token's local expert ids on that rank (-1 elsewhere)
+    and their weights (0 elsewhere); position names each token's pair per rank, n where it has
+    none; and gather_sum over position adds each token's pairs and nothing else."""
+    from flashmoe_science.moe.experts import gather_sum
+    from flashmoe_science.parallel import _Pairs
+
+    ids, weights, local, world = case
+    T, k = ids.shape
+    pairs = _Pairs(ids, weights, local, world)
+    owner = ids.long() // local
+    expected = [(t, r) for r in range(world) for t in range(T) if (owner[t] == r).any()]
+    n = int(pairs.per_rank.sum())
+    assert n == len(expected) and pairs.per_rank.tolist() == [sum(1 for _, r in expected if r == q)
+                                                              for q in range(world)]
+    for p, (t, r) in enumerate(expected):
+        assert int(pairs.source[p]) == t
+        mine = owner[t] == r
+        assert torch.equal(pairs.routing[p, :k], torch.where(mine, ids[t].long() - r * local, -1).float())
+        assert torch.equal(pairs.routing[p, k:], torch.where(mine, weights[t], 0.0))
+        assert int(pairs.position[t, r]) == p
+    absent = [(t, r) for t in range(T) for r in range(world) if not (owner[t] == r).any()]
+    assert all(int(pairs.position[t, r]) == n for t, r in absent)
+    rows = torch.randn(n, 3)
+    # The n rows that come back, in a buffer whose memory past them is poison (never read: n, the
+    # mark of a missing pair, is outside the rows).
+    summed = gather_sum(torch.cat([rows, torch.full((2, 3), float("nan"))])[:n], pairs.position)
+    expected_sum = torch.zeros(T, 3, dtype=torch.float64)
+    for p, (t, _) in enumerate(expected):
+        expected_sum[t] += rows[p].double()
+    torch.testing.assert_close(summed.double(), expected_sum, rtol=1e-6, atol=1e-6)
