@@ -197,14 +197,14 @@ class ExpertParallelMoE(nn.Module):
         num_chunks = max(row[0] for row in sent + received)
         send_sizes = [[row[1 + c] for row in sent] for c in range(num_chunks)]
         recv_sizes = [[row[1 + c] for row in received] for c in range(num_chunks)]
+        sent_rows = [sum(sizes) for sizes in send_sizes]
         starts = [s for s, _ in bounds]
         if num_chunks > len(chunks):
             chunks += [_Pairs(ids[:0], weights[:0], self.local_experts, world)] * (num_chunks - len(chunks))
             starts += [0] * (num_chunks - len(starts))
 
         def send(c):
-            pending = []
-            n = sum(send_sizes[c])
+            pending, n = [], sent_rows[c]
             chunk, rows = chunks[c], tokens[starts[c]:starts[c] + chunks[c].tokens]
             rows, routing = _SendRows.apply(rows, chunk.routing[:n], chunk.source[:n], chunk.position,
                                             send_sizes[c], recv_sizes[c], group, pending)
@@ -224,7 +224,7 @@ class ExpertParallelMoE(nn.Module):
         outputs = []
         for c, rows in enumerate(returned):
             _wait(in_flight[c][2])
-            outputs.append(_Combine.apply(rows, chunks[c].source[:sum(send_sizes[c])], chunks[c].position))
+            outputs.append(_Combine.apply(rows, chunks[c].source[:sent_rows[c]], chunks[c].position))
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), result
 
     def _fixed_capacity(self, tokens, ids, weights, meanwhile):
