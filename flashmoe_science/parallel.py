@@ -321,10 +321,8 @@ class _SendRows(torch.autograd.Function):
     token's rows, (T, m)).
 
     The routing starts 16-byte aligned, and a byte row is a multiple of 16 elements of the rows'
-    dtype: the kernels then read the received rows, whose stride that is, with 16-byte loads
-    (Triton proves them from a stride divisible by 16; with Qwen3's 4160-byte rows it holds,
-    with DeepSeek-V2-Lite's 4144 it did not, and its gate/up and dW1 ran 3 and 10 times
-    slower)."""
+    dtype: the experts' kernels read the received rows in place only with such a stride
+    (`moe.experts.rows_read_in_place`), and would otherwise copy them first."""
 
     @staticmethod
     def forward(ctx, tokens, routing, source, position, send_sizes, recv_sizes, group, pending):

@@ -273,6 +273,37 @@ def test_gradient_of_any_layout(device):
             assert rel_error(g, r) < (1e-5 if device.type == "cpu" else 5e-3)
 
 
+@pytest.mark.parametrize("row_stride", [40, 48])
+def test_token_rows_of_any_row_stride(device, row_stride):
+    """Token rows whose stride is not a multiple of 16 elements (40) are copied before the
+    kernels read them (read in place they load narrowly, several times slower); a stride that is
+    (48) is read in place. Either way the forward and every gradient equal the contiguous call's
+    bit for bit, the incoming gradient in such rows too."""
+    T, E, k, H, I = 13, 4, 2, 32, 16
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    logits = torch.randn(T, E, device=device)
+    grad_out = torch.randn(T, H, device=device)
+    rows = torch.full((T, row_stride), float("nan"), device=device)
+    rows[:, :H] = x
+    grad_rows = torch.full((T, row_stride), float("nan"), device=device)
+    grad_rows[:, :H] = grad_out
+    assert experts.rows_read_in_place(rows[:, :H]) == (row_stride % 16 == 0)
+    results = []
+    experts._EXPERTS_PLANS.clear()
+    moe_backward._PLANS.clear()
+    for buffer, grad in ((x, grad_out), (rows, grad_rows[:, :H])):
+        buffer, *weights = leaves(buffer, w1, w2, logits)
+        tokens = buffer[:, :H]  # a view of the leaf: its strides reach the kernels
+        assert tokens.stride(0) == buffer.stride(0)
+        out = fused_moe(tokens, *weights, k)
+        grads = torch.autograd.grad(out, [buffer, *weights], grad)
+        results.append((out, grads[0][:, :H], *grads[1:]))
+    for contiguous, strided in zip(*results):
+        assert torch.equal(contiguous, strided)
+    for plans in (experts._EXPERTS_PLANS, moe_backward._PLANS):  # the forward's and the backward's
+        assert any(plan.copy_x for plan in plans.values()) == (row_stride % 16 != 0)
+
+
 @pytest.mark.parametrize("T", [3, 200])
 def test_backward_launches_are_shipped_builds(device, T):
     E, k, H, I = 8, 2, 32, 16

@@ -84,7 +84,7 @@ class BackwardPlan:
         device = info_for(x)
         self.config = config or configs.backward_config(device, x.element_size(), self.block_m, H, self.inter)
         self.tma = self.config.tma and experts.tma_capable(x)
-        self.copy_x = x.stride(1) != 1
+        self.copy_x = not experts.rows_read_in_place(x)
         # Weights with unit stride along either of their last two dimensions are read in place.
         self.copy_w1, self.copy_w2 = (not experts.unit_stride_rows_or_columns(w) for w in (w1, w2))
         cfg, I = self.config, self.inter
@@ -268,7 +268,7 @@ def down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_
                       block_expert, grad_out, topk_weights, h, h_grads, block_rows)
     w2 = w2.contiguous() if plan.copy_w2 else w2
     h, h_grads = h.contiguous(), h_grads.contiguous()  # the forward's are
-    if grad_out.stride(1) != 1:
+    if not experts.rows_read_in_place(grad_out):
         grad_out = grad_out.contiguous()
     I, E, k = plan.inter, plan.num_experts, plan.top_k
     device, dtype = grad_out.device, h.dtype
