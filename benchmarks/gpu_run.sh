@@ -7,7 +7,7 @@
 #           attention-small attention-fwd attention-bwd
 #           attention-fwd+bwd attention-varlen-window attention-calls attention-decode attention-mla attention-fp8 moe moe-fwd+bwd moe-peers moe-train
 #           model model-static moe-sweep
-#           moe-bwd-sweep before-after tc tc-sweep ep moe-fp8
+#           moe-bwd-sweep moe-fp8-decode-sweep before-after tc tc-sweep ep moe-fp8
 #   (default: all but the sweeps; more than one device call's 10 minutes, so pass stages)
 #
 # Runs from the repository root without installing (PYTHONPATH), as on a machine with no network.
@@ -156,6 +156,8 @@ for stage in "${stages[@]}"; do
       done ;;
     moe-sweep) bench moe --sweep --no-plot ${MOE_SWEEP_ARGS:-} ;;
     moe-bwd-sweep) bench moe --sweep --mode fwd+bwd --no-plot ${MOE_BWD_SWEEP_ARGS:-} ;;
+    moe-fp8-decode-sweep)  # FP8 experts' decode tilings (bench/sweeps/moe_fp8_decode.py)
+      python3 -m flashmoe_science.bench.sweeps.moe_fp8_decode 2>&1 | tee "$RESULTS/moe_fp8_decode_sweep.txt" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
