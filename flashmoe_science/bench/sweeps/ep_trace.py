@@ -7,6 +7,11 @@ calls of `shard_experts` on each rank, for maintainers reading why EP > 1 loses 
 Writes DIR/ep_trace_rank<r>.json.gz (Chrome trace format: open in Perfetto) and prints, for rank
 0, the GPU busy time split into NCCL and other kernels, the GPU idle time within the calls, and
 the host time the calls took.
+
+    python -m flashmoe_science.bench.sweeps.ep_trace --read DIR/ep_trace_rank0.json.gz [--calls 3]
+
+reads such a trace back (no GPU needed) and prints the middle call's GPU timeline: every kernel
+or copy of at least MIN_US, and every gap of at least MIN_US before one, with its stream.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ import torch.distributed as dist
 
 from ..ep import SHAPES, _full_layer, _training_call, _union
 
+MIN_US = 20.0  # the timeline's threshold for kernels and gaps
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -29,7 +36,11 @@ def main() -> None:
     parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd")
     parser.add_argument("--calls", type=int, default=3, help="calls traced")
     parser.add_argument("--out", default="out/ep_trace")
+    parser.add_argument("--read", default=None, help="print the timeline of a trace this tool wrote")
     args = parser.parse_args()
+    if args.read:
+        print(timeline(args.read, args.calls))
+        return
     if "RANK" not in os.environ or not torch.cuda.is_available():
         raise SystemExit("run under torchrun on a machine with GPUs (one process per GPU)")
     from torch.profiler import ProfilerActivity, profile
@@ -78,6 +89,35 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     finally:
         dist.destroy_process_group()
+
+
+def timeline(path: str, calls: int = 3) -> str:
+    """The GPU timeline of the middle one of `calls` equal calls in a trace this tool wrote: one
+    line per kernel or copy of at least MIN_US, or after a gap of at least MIN_US (start from the
+    first GPU event of that call, duration, gap since the GPU was last busy, stream, name)."""
+    import json
+
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    if not gpu:
+        return f"{path}: no GPU events"
+    rows, busy_until = [], None
+    for e in gpu:
+        gap = 0.0 if busy_until is None else max(0.0, e["ts"] - busy_until)
+        rows.append((e["ts"], e["dur"], gap, e.get("args", {}).get("stream"), e["name"]))
+        busy_until = e["ts"] + e["dur"] if busy_until is None else max(busy_until, e["ts"] + e["dur"])
+    per_call = len(rows) // calls
+    middle = rows[per_call * (calls // 2):per_call * (calls // 2 + 1)]
+    start = middle[0][0]
+    lines = [f"{path}: call {calls // 2 + 1} of {calls}, {len(middle)} GPU events, span "
+             f"{(middle[-1][0] + middle[-1][1] - start) / 1e3:.2f} ms; events or gaps of at least {MIN_US:.0f} us:",
+             f"{'start us':>9} {'dur us':>8} {'gap us':>7} stream  name"]
+    for ts, dur, gap, stream, name in middle:
+        if dur >= MIN_US or gap >= MIN_US:
+            lines.append(f"{ts - start:9.1f} {dur:8.1f} {gap:7.1f} {str(stream):>6}  {name[:90]}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
