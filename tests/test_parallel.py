@@ -331,3 +331,19 @@ def test_pairs_send_each_token_once_to_each_rank_owning_its_experts(case):
     for p, (t, _) in enumerate(expected):
         expected_sum[t] += rows[p].double()
     torch.testing.assert_close(summed.double(), expected_sum, rtol=1e-6, atol=1e-6)
+
+
+def test_ep_trace_reads_a_trace_back():
+    """`bench/sweeps/ep_trace.py --read`: the middle call's timeline of a committed trace, its
+    kernels and the four row exchanges of a forward+backward, with no GPU."""
+    from pathlib import Path
+
+    from flashmoe_science.bench.sweeps.ep_trace import timeline
+
+    trace = Path(__file__).parent.parent / "benchmarks/results/ep_trace/qwen3_16k_ep4_fwd_bwd_rank0.json.gz"
+    lines = timeline(str(trace)).splitlines()
+    assert lines[0].endswith("events or gaps of at least 20 us:") and "call 2 of 3" in lines[0]
+    names = [line.split(None, 4)[-1] for line in lines[2:]]
+    assert sum(name.startswith("ncclDevKernel") for name in names) >= 5  # the counts, then four row exchanges
+    assert sum(name.startswith("gather_sum_kernel") for name in names) == 2
+    assert any(name.startswith("grad_w1_kernel") for name in names)
