@@ -87,7 +87,9 @@ class ExpertParallelMoE(nn.Module):
     w2 (E/W, H, I), the experts [rank E/W, (rank + 1) E/W). forward(x: (..., H)) -> (..., H)
     on this rank's tokens, the same as the full layer's on them; aux_loss, z_loss and
     tokens_per_expert (E,) as the layer sets them, from this rank's tokens; dropped_assignments,
-    the assignments the fixed capacity left out (0 when dropless).
+    the assignments the fixed capacity left out (0 when dropless); rows_received, the rows this
+    rank's experts computed in its last dropless exchange (a host int, known from the count
+    exchange; None for the fixed capacity or a group of one): how evenly the routing loads the ranks.
     """
 
     def __init__(self, layer: FlashMoELayer, group=None, capacity: int | None = None,
@@ -114,6 +116,7 @@ class ExpertParallelMoE(nn.Module):
             self.shared_w1 = nn.Parameter(layer.shared_w1.clone()) if layer.shared_w1 is not None else None
             self.shared_w2 = nn.Parameter(layer.shared_w2.clone()) if layer.shared_w2 is not None else None
         self.aux_loss = self.z_loss = self.tokens_per_expert = self.dropped_assignments = None
+        self.rows_received = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
@@ -198,6 +201,7 @@ class ExpertParallelMoE(nn.Module):
         send_sizes = [[row[1 + c] for row in sent] for c in range(num_chunks)]
         recv_sizes = [[row[1 + c] for row in received] for c in range(num_chunks)]
         sent_rows = [sum(sizes) for sizes in send_sizes]
+        self.rows_received = sum(map(sum, recv_sizes))
         starts = [s for s, _ in bounds]
         if num_chunks > len(chunks):
             chunks += [_Pairs(ids[:0], weights[:0], self.local_experts, world)] * (num_chunks - len(chunks))

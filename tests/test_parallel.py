@@ -75,6 +75,12 @@ def _check_against_full_layer(full, sharded, x, rank, world, reference=None):
     grad_out = torch.randn_like(x)
     out_full, out_sharded = (reference or full)(x_full), sharded(x_sharded)
     _close(out_sharded, out_full, f"rank {rank} output")
+    if sharded.capacity is None and world > 1:  # each rank's rows: every rank's tokens with one of its experts
+        from flashmoe_science.moe import moe_route
+
+        owners = moe_route(full.router(x), full.top_k, renormalize=full.renormalize)[1].long() // sharded.local_experts
+        to_each_rank = torch.tensor([sum(r in row.tolist() for row in owners) for r in range(world)])
+        assert sharded.rows_received == _summed(to_each_rank)[rank].item()
     if reference is None:
         assert torch.equal(sharded.tokens_per_expert, full.tokens_per_expert)
         assert sharded.dropped_assignments == 0
@@ -230,6 +236,9 @@ def test_bench_ep_runs_under_torchrun(tmp_path):
         assert r["world"] == 2 and r["mode"] == "fwd+bwd" and r["tokens_per_s_per_gpu"] > 0, r
         assert r["rel_error"] < 1e-5 and r["torch_rel_error"] < 1e-5, r
         assert r.get("dropped", 0) == 0, r  # the tiny shape's routing fits 1.25 times the even share
+        imbalance = r.get("rows_received_max_over_mean")
+        assert (imbalance is not None) == (r["ep"] == 2 and r["impl"] in ("ours", "ours_chunked")), r
+        assert imbalance is None or imbalance >= 1.0, r
 
 
 def test_shard_experts_needs_a_process_group_and_a_layer():

@@ -33,6 +33,9 @@ Modes: fwd (prefill) and fwd+bwd (gradients for the tokens and every parameter).
 calls between barriers, CUDA events on every rank, the slowest rank's time (every rank waits for
 it at its next exchange); `repeats` such timings give the median and its interval.
 
+Load: for ours at EP > 1, `rows_received_max_over_mean`, the most rows any rank's experts
+computed (the layer's `rows_received`) over the mean across ranks, from the same forward.
+
 Correctness on every row: each rank's output on its first REFERENCE_TOKENS tokens against the
 float64 forward of the unsharded layer (routed from the same bf16 logits): `rel_error`, the
 largest over ranks, next to the reference implementation's (`torch_rel_error`).
@@ -159,6 +162,8 @@ def _measure_all(args, device) -> dict | None:
                 out = forward(x)
             errors = {"rel_error": _largest(common.rel_error(out[:REFERENCE_TOKENS], expected), device)}
             del out
+            if getattr(layer, "rows_received", None) is not None and impl != "reference":
+                errors["rows_received_max_over_mean"] = _rows_imbalance(layer.rows_received, device)
             call = _training_call(layer, forward, x, grad_out) if mode == "fwd+bwd" else _inference_call(forward, x)
             timing = _time(call, iters, args.repeats, device)
             timed[impl] = timing
@@ -301,6 +306,16 @@ def _time(call, iters: int, repeats: int, device) -> Timing:
             ms = (time.perf_counter() - begin) * 1e3 / iters
         samples.append(_largest(ms, device))
     return Timing.from_samples(samples)
+
+
+def _rows_imbalance(rows: int, device) -> float:
+    """The most rows any rank's experts computed over the mean across ranks (1: an even load; the
+    slowest rank sets every exchange's pace)."""
+    t = torch.tensor([float(rows), float(rows)], dtype=torch.float64, device=device)
+    most, total = t[:1].clone(), t[1:].clone()
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total)
+    return most.item() / max(total.item() / dist.get_world_size(), 1.0)
 
 
 def _largest(value: float, device) -> float:
