@@ -192,8 +192,7 @@ class ExpertParallelMoE(nn.Module):
             chunk = _Pairs(ids[s:e], weights[s:e], self.local_experts, world)
             counts[:, 1 + c] = chunk.per_rank
             chunks.append(chunk)
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
+        received = _all_to_all(counts, [1] * world, [1] * world, group)
         self.dropped_assignments = torch.zeros((), dtype=torch.int64, device=tokens.device)
         sent, received = torch.stack([counts, received]).tolist()  # one host synchronisation
         # Every rank runs as many exchanges as the rank with the most chunks; the others send nothing in theirs.
@@ -296,7 +295,7 @@ class _Pairs:
         weights = weights.to(torch.float32)
         self.routing = torch.cat([local_ids.to(torch.float32), torch.where(owned, weights[self.source], 0.0)], 1)
         inverse = torch.empty_like(pairs).index_copy_(0, pairs, torch.arange(pairs.numel(), device=ids.device))
-        self.position = torch.where(flat, inverse, flat.sum()).view(world, T).t()
+        self.position = torch.where(flat, inverse, self.per_rank.sum()).view(world, T).t()
 
 
 def _all_to_all(t: torch.Tensor, output_sizes, input_sizes, group, pending: list | None = None) -> torch.Tensor:

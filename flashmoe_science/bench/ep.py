@@ -311,11 +311,9 @@ def _time(call, iters: int, repeats: int, device) -> Timing:
 def _rows_imbalance(rows: int, device) -> float:
     """The most rows any rank's experts computed over the mean across ranks (1: an even load; the
     slowest rank sets every exchange's pace)."""
-    t = torch.tensor([float(rows), float(rows)], dtype=torch.float64, device=device)
-    most, total = t[:1].clone(), t[1:].clone()
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    total = torch.tensor([float(rows)], dtype=torch.float64, device=device)
     dist.all_reduce(total)
-    return most.item() / max(total.item() / dist.get_world_size(), 1.0)
+    return _largest(rows, device) / max(total.item() / dist.get_world_size(), 1.0)
 
 
 def _largest(value: float, device) -> float:
