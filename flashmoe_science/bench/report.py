@@ -312,9 +312,11 @@ def render_moe(name: str, result: dict) -> str:
 
 
 def render_moe_fp8(name: str, result: dict) -> str:
-    """FP8 experts against our bf16 path on the same weights (and grouped-mm): times, the FP8
-    weight bandwidth at decode sizes, and each one's error against the float64 layer of the
-    unquantised weights."""
+    """FP8 experts against our bf16 path on the same weights (and grouped-mm): times (and, at the
+    sizes the benchmark also replays as a CUDA graph, the graph's, without the host's launch
+    cost, as a server runs decode), the FP8 weight bandwidth at decode sizes (from the graph's
+    time where there is one), and each one's error against the float64 layer of the unquantised
+    weights."""
     rows, meta = result["rows"], result["meta"]
     grid: dict = {}
     for r in rows:
@@ -323,17 +325,26 @@ def render_moe_fp8(name: str, result: dict) -> str:
     out = [_source_line(name, meta).rstrip("\n"), "",
            f"Copy bandwidth measured in the same run: {meta.get('copy_tbps', float('nan')):.2f} TB/s. "
            f"Scaled grouped-mm: {scaled}.", "",
-           "| model (E, k, H, I) | T | bf16 ms | FP8 ms | FP8 / bf16 time | FP8 TFLOP/s | FP8 weight bandwidth | "
-           "grouped-mm ms | scaled grouped-mm (FP8) ms | rel. error FP8 / bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| model (E, k, H, I) | T | bf16 ms | FP8 ms | FP8 / bf16 time | CUDA graph: bf16 / FP8 µs (FP8 / bf16) | "
+           "FP8 TFLOP/s | FP8 weight bandwidth | grouped-mm ms | scaled grouped-mm (FP8) ms | rel. error FP8 / bf16 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    copy_tbps = meta.get("copy_tbps")
     for (shape, e, k, h, i, t), by in grid.items():
         ours, fp8 = by.get("ours", {}), by.get("fp8", {})
         if not fp8:
             continue
-        frac = fp8.get("weight_fraction_of_copy")
-        bandwidth = f"{fp8['weight_tbps']:.2f} TB/s ({100 * frac:.0f}%)" if frac is not None else ""
+        bandwidth = ""
+        if fp8.get("weight_tbps_graph") is not None and copy_tbps:
+            bandwidth = f"{fp8['weight_tbps_graph']:.2f} TB/s ({100 * fp8['weight_tbps_graph'] / copy_tbps:.0f}%, graph)"
+        elif fp8.get("weight_fraction_of_copy") is not None:
+            bandwidth = f"{fp8['weight_tbps']:.2f} TB/s ({100 * fp8['weight_fraction_of_copy']:.0f}%)"
         ratio = f"{fp8['ms'] / ours['ms']:.2f}" if ours.get("ms") else ""
+        graph = ""
+        if fp8.get("graph_ms") and ours.get("graph_ms"):
+            graph = (f"{1e3 * ours['graph_ms']:.1f} / {1e3 * fp8['graph_ms']:.1f} "
+                     f"({fp8['graph_ms'] / ours['graph_ms']:.2f})")
         out.append(f"| {shape} ({e}, {k}, {h}, {i}) | {t} | {_fmt(ours.get('ms'), 3)} | {fp8['ms']:.3f} | {ratio} | "
-                   f"{_fmt(fp8.get('tflops'))} | {bandwidth} | {_fmt(by.get('gmm', {}).get('ms'), 3)} | "
+                   f"{graph} | {_fmt(fp8.get('tflops'))} | {bandwidth} | {_fmt(by.get('gmm', {}).get('ms'), 3)} | "
                    f"{_fmt(by.get('scaled_gmm', {}).get('ms'), 3)} | "
                    f"{fp8['rel_error']:.1e} / " + (f"{ours['rel_error']:.1e}" if ours.get("rel_error") else "") + " |")
     return "\n".join(out) + "\n"
