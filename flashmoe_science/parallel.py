@@ -20,14 +20,15 @@ instead: no count exchange, no host synchronisation, assignments past the capaci
 counted.
 
 Autograd runs through the exchanges (each one's backward is the reverse exchange): input
-gradients come back to the tokens' ranks, expert-weight gradients stay with the experts' owner
-(the sum over every rank's tokens), and the router and shared-expert gradients are each rank's
-own (all-reduce them as for any replicated parameter, with DDP or FSDP). The dropless exchanges
-are `dist.all_to_all_single` calls made asynchronous and waited for on the stream (each token's
-row and its routing packed into one exchange), the least host time a call, since a dropless call
-synchronises with the host once anyway; the fixed-capacity ones are torch.distributed's
-functional collectives, which torch.compile traces. NCCL on GPUs, gloo on CPUs: any backend with
-all_to_all_single.
+gradients come back to the tokens' ranks (the experts' backward sends the rows' gradient back
+as soon as it has it, then computes w1's gradient while it travels), expert-weight gradients
+stay with the experts' owner (the sum over every rank's tokens), and the router and
+shared-expert gradients are each rank's own (all-reduce them as for any replicated parameter,
+with DDP or FSDP). The dropless exchanges are `dist.all_to_all_single` calls made asynchronous
+and waited for on the stream (each token's row and its routing packed into one exchange), the
+least host time a call, since a dropless call synchronises with the host once anyway; the
+fixed-capacity ones are torch.distributed's functional collectives, which torch.compile traces.
+NCCL on GPUs, gloo on CPUs: any backend with all_to_all_single.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers.moe import FlashMoELayer, count_values, router_statistics
-from .moe import fused_experts, moe_route
+from .moe import backward, experts, fused_experts, moe_route
 from .moe.experts import gather_sum
+from .moe.routing import needs_gradient
 from .moe.reference import gated_activation_torch
 
 # The most chunks a dropless call is pipelined in (their count travels with the exchange's sizes).
@@ -148,10 +150,15 @@ class ExpertParallelMoE(nn.Module):
         gate, up = F.linear(tokens, self.shared_w1).chunk(2, dim=-1)
         return F.linear(gated_activation_torch(gate, up, self.activation), self.shared_w2)
 
-    def _compute(self, rows, local_ids, weights):
+    def _compute(self, rows, local_ids, weights, back: "_GradientBack | None" = None):
         """This rank's experts on the rows it received: each row through its local experts (ids
         (n, m); -1 is a slot for another rank's expert, or empty, and adds nothing), scaled by
-        their routing weights (n, m) and summed."""
+        their routing weights (n, m) and summed. With `back` (the dropless exchange's), and
+        autograd recording, through `_LocalExperts`: the rows' gradient leaves for their ranks
+        before w1's gradient is computed."""
+        if back is not None and needs_gradient(rows, weights, self.w1, self.w2):
+            return _LocalExperts.apply(rows, weights.contiguous(), self.w1, self.w2, local_ids.contiguous(),
+                                       self.activation, back)
         return fused_experts(rows, self.w1, self.w2, weights, local_ids, activation=self.activation)
 
     def _sorted_by_owner(self, ids):
@@ -209,17 +216,17 @@ class ExpertParallelMoE(nn.Module):
         def send(c):
             pending, n = [], sent_rows[c]
             chunk, rows = chunks[c], tokens[starts[c]:starts[c] + chunks[c].tokens]
-            rows, routing = _SendRows.apply(rows, chunk.routing[:n], chunk.source[:n], chunk.position,
-                                            send_sizes[c], recv_sizes[c], group, pending)
-            return rows, routing, pending
+            back = _GradientBack(send_sizes[c], recv_sizes[c], group)
+            rows, routing = _SendRows.apply(rows, chunk.routing[:n], chunk.source[:n], chunk.position, back, pending)
+            return rows, routing, pending, back
 
         in_flight = [send(c) for c in range(min(2, num_chunks))]
         result = meanwhile()
         returned = []
         for c in range(num_chunks):
-            rows, routing, pending = in_flight[c]
+            rows, routing, pending, back = in_flight[c]
             _wait(pending)
-            computed = self._compute(rows, routing[:, :k].to(torch.int32), routing[:, k:])
+            computed = self._compute(rows, routing[:, :k].to(torch.int32), routing[:, k:], back)
             returned.append(_Exchange.apply(computed, send_sizes[c], recv_sizes[c], group, pending))
             if c + 2 < num_chunks:
                 in_flight.append(send(c + 2))
@@ -316,41 +323,103 @@ def _wait(pending: list) -> None:
         pending.pop().wait()
 
 
+class _GradientBack:
+    """The received rows' gradient on its way back to their ranks (the reverse of one `_SendRows`
+    exchange): sent by the experts' backward (`_LocalExperts`) as soon as it has it, so that the
+    exchange overlaps the experts' w1 gradient, and taken by `_SendRows`' backward."""
+
+    def __init__(self, send_sizes, recv_sizes, group):
+        self.send_sizes, self.recv_sizes, self.group = send_sizes, recv_sizes, group
+        self.pending, self.grad = [], None
+
+    def send(self, grad_rows: torch.Tensor) -> None:
+        self.grad = _all_to_all(grad_rows, self.send_sizes, self.recv_sizes, self.group, self.pending)
+
+    def take(self) -> torch.Tensor | None:
+        """The gradient of the rows this rank sent (None when no gradient reached them)."""
+        _wait(self.pending)
+        grad, self.grad = self.grad, None
+        return grad
+
+
 class _SendRows(torch.autograd.Function):
     """The rows for the experts' owners and their routing, in one exchange: rows[p] =
     tokens[source[p]], with routing[p] packed behind it in one byte row, sent asynchronously (the
     work on `pending`). Returns the received rows and routing, views of the received bytes. Its
-    backward sends both gradients back and sums each token's rows' gradients (position: each
-    token's rows, (T, m)).
+    backward takes the rows' gradient from `back` (where the experts' backward sent it), sums
+    each token's rows' gradients (position: each token's rows, (T, m)) and sends the routing's
+    gradient back.
 
     The routing starts 16-byte aligned, and a byte row is a multiple of 16 elements of the rows'
     dtype: the experts' kernels read the received rows in place only with such a stride
     (`moe.experts.rows_read_in_place`), and would otherwise copy them first."""
 
     @staticmethod
-    def forward(ctx, tokens, routing, source, position, send_sizes, recv_sizes, group, pending):
+    def forward(ctx, tokens, routing, source, position, back, pending):
         row_bytes, routing_bytes = tokens.shape[1] * tokens.element_size(), routing.shape[1] * 4
         routing_start, align = -(-row_bytes // 16) * 16, 16 * tokens.element_size()
         packed = torch.empty(source.numel(), -(-(routing_start + routing_bytes) // align) * align, dtype=torch.uint8,
                              device=tokens.device)
         torch.index_select(tokens, 0, source, out=packed[:, :row_bytes].view(tokens.dtype))
         packed[:, routing_start:routing_start + routing_bytes].view(torch.float32).copy_(routing)
-        received = _all_to_all(packed, recv_sizes, send_sizes, group, pending)
+        received = _all_to_all(packed, back.recv_sizes, back.send_sizes, back.group, pending)
         ctx.save_for_backward(position)
-        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        ctx.back = back
+        ctx.set_materialize_grads(False)
         return (received[:, :row_bytes].view(tokens.dtype),
                 received[:, routing_start:routing_start + routing_bytes].view(torch.float32))
 
     @staticmethod
     def backward(ctx, grad_rows, grad_routing):
         (position,) = ctx.saved_tensors
-        send_sizes, recv_sizes = ctx.sizes
+        back = ctx.back
+        if grad_rows is not None:  # the rows went elsewhere than `_LocalExperts`
+            back.send(grad_rows)
         grad_tokens = grad_routing_sent = None
-        if ctx.needs_input_grad[0]:
-            grad_tokens = gather_sum(_all_to_all(grad_rows, send_sizes, recv_sizes, ctx.group), position)
-        if ctx.needs_input_grad[1]:
-            grad_routing_sent = _all_to_all(grad_routing, send_sizes, recv_sizes, ctx.group)
-        return grad_tokens, grad_routing_sent, None, None, None, None, None, None
+        grad_sent = back.take()
+        if ctx.needs_input_grad[0] and grad_sent is not None:
+            grad_tokens = gather_sum(grad_sent, position)
+        if ctx.needs_input_grad[1] and grad_routing is not None:
+            grad_routing_sent = _all_to_all(grad_routing, back.send_sizes, back.recv_sizes, back.group)
+        return grad_tokens, grad_routing_sent, None, None, None, None
+
+
+class _LocalExperts(torch.autograd.Function):
+    """`fused_experts` on the received rows (weights (n, m) float32 contiguous, local_ids (n, m)
+    int32), through the same kernels as its custom ops, with the backward in the order expert
+    parallelism wants: d [gate, up] and d w2, then the rows' gradient, which is sent back to their
+    ranks at once (`back`), then d w1 while that exchange is in flight. The rows' own gradient
+    is None: `_SendRows`' backward takes it from `back`."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, w1, w2, local_ids, activation, back):
+        layout = experts.gate_up_for_backward(rows, w1, w2, weights, local_ids, activation)
+        h, h_grads = layout[:2]
+        out = experts.down_for_backward(rows, w1, w2, weights, local_ids, h, *layout[2:])
+        ctx.save_for_backward(rows, w1, w2, weights, local_ids, *layout[2:])
+        # Kept outside the saved tensors so that the backward frees them before d w1 is allocated.
+        ctx.h, ctx.h_grads, ctx.back = h, h_grads, back
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, w1, w2, weights, local_ids, *layout = ctx.saved_tensors
+        h, h_grads = ctx.h, ctx.h_grads
+        ctx.h = ctx.h_grads = None
+        need_rows, need_weights, need_w1, need_w2 = ctx.needs_input_grad[:4]
+        if grad_out is None:
+            return None, None, None, None, None, None, None
+        grad_gate_up, grad_w2, grad_weights = backward.down_backward(
+            grad_out, rows, w1, w2, weights, local_ids, h, h_grads, *layout, need_rows or need_w1, need_w2)
+        del h, h_grads
+        if need_rows:
+            ctx.back.send(backward.gate_up_backward(grad_gate_up, rows, w1, w2, local_ids, *layout, True, False)[0])
+        grad_w1 = None
+        if need_w1:
+            grad_w1 = backward.gate_up_backward(grad_gate_up, rows, w1, w2, local_ids, *layout, False, True)[1]
+        return (None, grad_weights if need_weights else None, grad_w1, grad_w2 if need_w2 else None,
+                None, None, None)
 
 
 class _Exchange(torch.autograd.Function):

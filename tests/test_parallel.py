@@ -96,6 +96,33 @@ def _check_against_full_layer(full, sharded, x, rank, world, reference=None):
     _close(_summed(sharded.shared_w1.grad), _summed(full.shared_w1.grad), "shared expert gradient")
 
 
+def _check_rows_gradient_leaves_before_w1_gradient(sharded, x):
+    """The backward's exchanges and the experts' w1 gradient, in the order they are issued: the
+    gradient of the returned rows, then that of the received rows, sent back before w1's gradient
+    is computed (so that the exchange overlaps it), then the routing weights'."""
+    from flashmoe_science.moe import backward
+
+    events, exchange, launch_grad_w1 = [], dist.all_to_all_single, backward.launch_grad_w1
+
+    def recorded_exchange(output, input, *args, **kwargs):
+        events.append(f"exchange of {input.shape[1]} columns")
+        return exchange(output, input, *args, **kwargs)
+
+    def recorded_grad_w1(*args, **kwargs):
+        events.append("w1 gradient")
+        return launch_grad_w1(*args, **kwargs)
+
+    out = sharded(x.requires_grad_())
+    dist.all_to_all_single, backward.launch_grad_w1 = recorded_exchange, recorded_grad_w1
+    try:
+        out.backward(torch.randn_like(out))
+    finally:
+        dist.all_to_all_single, backward.launch_grad_w1 = exchange, launch_grad_w1
+    H, k = sharded.hidden_size, sharded.top_k
+    assert events == [f"exchange of {H} columns", f"exchange of {H} columns", "w1 gradient",
+                      f"exchange of {2 * k} columns"], events
+
+
 def _check_with_fsdp2(rank, world, device):
     """The sharded layer between two Linear layers that FSDP2 (fully_shard) shards: the output
     of the unsharded model, and FSDP's gradients (averaged over ranks) those of the unsharded
@@ -146,6 +173,8 @@ def _worker(rank, world, store_path, backend):
         torch.manual_seed(1 + rank)  # each rank its own tokens; the last of four has none
         tokens = 0 if world == 4 and rank == 3 else 5 + 3 * rank
         _check_against_full_layer(full, sharded, torch.randn(tokens, 32), rank, world)
+        if world == 2:
+            _check_rows_gradient_leaves_before_w1_gradient(sharded, torch.randn(tokens, 32))
         # Dropless in chunks of 2 tokens (a pipeline of up to 6 chunks, the last one short)
         _check_against_full_layer(full, shard_experts(full, chunk_tokens=2), torch.randn(tokens, 32), rank, world)
         for bad in (0, 2.0, True):
@@ -271,14 +300,14 @@ def _check_packed_rows():
     """The rows sent to the experts' owners arrive with their routing packed behind them, and
     with a row stride of a multiple of 16 elements (what lets the kernels load them 16 bytes at
     a time), whatever the routing's width: Qwen3's k = 8 and DeepSeek's k = 6, bf16 and fp32."""
-    from flashmoe_science.parallel import _SendRows, _wait
+    from flashmoe_science.parallel import _GradientBack, _SendRows, _wait
 
     for dtype, H, k in ((torch.bfloat16, 2048, 8), (torch.bfloat16, 2048, 6), (torch.float32, 40, 6)):
         tokens = torch.randn(5, H).to(dtype)
         source = torch.tensor([3, 0, 3, 4])
         routing = torch.randn(4, 2 * k)
         pending = []
-        rows, got = _SendRows.apply(tokens, routing, source, None, [4], [4], None, pending)
+        rows, got = _SendRows.apply(tokens, routing, source, None, _GradientBack([4], [4], None), pending)
         _wait(pending)
         assert torch.equal(rows, tokens[source]) and torch.equal(got, routing)
         assert rows.stride(0) % 16 == 0 and rows.stride(1) == 1, (dtype, k, rows.stride())
