@@ -87,8 +87,10 @@ def test_launches_are_shipped_builds(device, T):
     capability = info_for(x).capability
     one_chunk = T <= configs.CHUNK_TOKENS
     fused_moe(x, w1, w2, logits, k)
-    assert _launched_build("moe_route", capability).constexprs["LAYOUT"] == (
-        "one_token" if T == 1 else "full" if one_chunk else "count")
+    route = _launched_build("moe_route", capability)
+    assert route.constexprs["LAYOUT"] == ("one_token" if T == 1 else "full" if one_chunk else "count")
+    # a launch that builds the layout itself pads the 8 experts to 16, one writing counts to the table's width
+    assert route.constexprs["E_PAD"] == (16 if one_chunk else configs.MAX_EXPERTS)
     for op in ["moe_gate_up", "moe_down", "moe_combine"] + ([] if one_chunk else ["moe_align"]):
         _launched_build(op, capability)
     weights, ids = moe_route(logits, k)

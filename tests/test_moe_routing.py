@@ -94,8 +94,10 @@ def check_layout(layout, ids, num_experts):
 
 
 # (T, E, k): one token (its layout from its picks alone), one dispatch chunk (T <= 128) and
-# several; up to 200 experts; one expert for all.
-LAYOUT_CASES = [(1, 8, 2), (1, 200, 8), (1, 1, 1), (33, 8, 3), (70, 64, 8), (300, 8, 2), (300, 200, 4), (129, 1, 1)]
+# several; up to 200 experts; one expert for all; E at and just past the powers of two that one
+# chunk's routing launch pads the experts to (`configs.route_expert_pad`).
+LAYOUT_CASES = [(1, 8, 2), (1, 200, 8), (1, 1, 1), (33, 8, 3), (70, 64, 8), (300, 8, 2), (300, 200, 4), (129, 1, 1),
+                (40, 16, 4), (40, 17, 5), (5, 128, 8), (20, 129, 8)]
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

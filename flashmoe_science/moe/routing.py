@@ -115,9 +115,9 @@ def route_pairs(router_logits: torch.Tensor, plan: DispatchPlan, key, *, sigmoid
         (router_logits, weights, ids, ids if counts is None else counts, *tables,
          plan.num_tokens, plan.num_experts, router_logits.stride(0), plan.top_k, int(sigmoid), int(renormalize),
          plan.chunk_tokens, plan.block_m, plan.num_blocks,
-         configs.MAX_EXPERTS, configs.MAX_TOP_K, configs.route_rows(mode), mode, configs.SORT_PAIRS,
-         configs.DISPATCH_ROWS),
-        num_warps=configs.DISPATCH_WARPS, num_stages=configs.DISPATCH_STAGES, device_index=plan.device_index)
+         configs.route_expert_pad(plan.num_experts, mode), configs.MAX_TOP_K, configs.route_rows(mode), mode,
+         configs.SORT_PAIRS, configs.DISPATCH_ROWS),
+        num_warps=configs.route_warps(mode), num_stages=configs.DISPATCH_STAGES, device_index=plan.device_index)
     if mode == "count":
         plan.launch_align(key, ids, counts, layout)
     return weights, ids, layout
