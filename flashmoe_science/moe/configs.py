@@ -240,10 +240,11 @@ ROUTE_TILE = 4096
 DISPATCH_ROWS = ROUTE_TILE // MAX_EXPERTS
 # A routing launch that builds the whole layout itself ("one_token", "full": every call of at most
 # CHUNK_TOKENS tokens) pads the experts only to the next power of two of E, at least 16, and runs
-# 1 warp for one token, 8 for more. H100, the launch alone, 20 in a CUDA graph (E_PAD 256 and 4
-# warps before): Qwen3-30B-A3B (E 128, k 8) T = 1 4.3 -> 3.9 us, T = 4 12.8 -> 8.1, T = 64
+# 1 warp for one token, 8 for more. H100, the launch alone, 20 in a CUDA graph, against E_PAD 256
+# and 4 warps: Qwen3-30B-A3B (E 128, k 8) T = 1 4.3 -> 3.9 us, T = 4 12.8 -> 8.1, T = 64
 # 47.0 -> 29.5; DeepSeek-V2-Lite (64, 6) T = 1 4.1 -> 3.3, T = 4 10.7 -> 5.6, T = 64 36.2 -> 17.6;
-# Mixtral (8, 2) T = 1 3.0 -> 2.8, T = 4 8.4 -> 4.0, T = 64 20.7 -> 7.3; the same bits.
+# Mixtral (8, 2) T = 1 3.0 -> 2.8, T = 4 8.4 -> 4.0, T = 64 20.7 -> 7.3; the same bits
+# (`bench/sweeps/moe_decode.py route`, benchmarks/results/moe_decode/route_sweep.txt).
 ROUTE_EXPERT_PADS = (16, 32, 64, 128, 256)
 # A single token (decode at batch 1) is routed as a one-row tile, and its layout written from
 # its k picks without the counting sort ("one_token"). H100, bf16, T = 1: the routing launch
