@@ -1,8 +1,10 @@
 """Expert parallelism (`flashmoe_science.parallel.shard_experts`) on the CPU: 2 and 4 processes
 over gloo, each with its own tokens, fp32, against the full layer that every rank also holds:
 outputs and input gradients equal, each rank's expert-weight gradients the slice of the full
-layer's summed over ranks, router gradients summed over ranks equal; routings that send every
-token to one rank's experts, a rank with no tokens, and an expert count the group cannot split;
+layer's summed over ranks, router gradients summed over ranks equal; the backward's rows'
+gradient sent before w1's gradient is computed; tokens that need no gradient, and no_grad;
+routings that send every token to one rank's experts, a rank with no tokens, and an expert count
+the group cannot split;
 the fixed-capacity mode, with room for every assignment and with assignments dropped, and
 traced whole by torch.compile (fullgraph); beside FSDP2 on the other layers. On a machine with
 two GPUs or more the same checks run over NCCL, one GPU a process (fp32, exact products). And
@@ -123,6 +125,24 @@ def _check_rows_gradient_leaves_before_w1_gradient(sharded, x):
                       f"exchange of {2 * k} columns"], events
 
 
+def _check_without_input_gradient(full, sharded, x, rank):
+    """Tokens that need no gradient (a first layer's): the weights' gradients as the full
+    layer's; and a forward under no_grad (inference), which records nothing, the same output."""
+    for p in (*full.parameters(), *sharded.parameters()):
+        p.grad = None
+    grad_out = torch.randn_like(x)
+    full(x).backward(grad_out)
+    sharded(x).backward(grad_out)
+    local = slice(rank * sharded.local_experts, (rank + 1) * sharded.local_experts)
+    for name in ("w1", "w2"):
+        _close(getattr(sharded, name).grad, _summed(getattr(full, name).grad)[local], f"rank {rank} {name} gradient")
+    _close(_summed(sharded.router.weight.grad), _summed(full.router.weight.grad), "router gradient")
+    with torch.no_grad():
+        out = sharded(x)
+        assert out.grad_fn is None
+        _close(out, full(x), f"rank {rank} output under no_grad")
+
+
 def _check_with_fsdp2(rank, world, device):
     """The sharded layer between two Linear layers that FSDP2 (fully_shard) shards: the output
     of the unsharded model, and FSDP's gradients (averaged over ranks) those of the unsharded
@@ -175,6 +195,7 @@ def _worker(rank, world, store_path, backend):
         _check_against_full_layer(full, sharded, torch.randn(tokens, 32), rank, world)
         if world == 2:
             _check_rows_gradient_leaves_before_w1_gradient(sharded, torch.randn(tokens, 32))
+            _check_without_input_gradient(full, sharded, torch.randn(tokens, 32), rank)
         # Dropless in chunks of 2 tokens (a pipeline of up to 6 chunks, the last one short)
         _check_against_full_layer(full, shard_experts(full, chunk_tokens=2), torch.randn(tokens, 32), rank, world)
         for bad in (0, 2.0, True):
