@@ -154,11 +154,12 @@ class ExpertParallelMoE(nn.Module):
         """This rank's experts on the rows it received: each row through its local experts (ids
         (n, m); -1 is a slot for another rank's expert, or empty, and adds nothing), scaled by
         their routing weights (n, m) and summed. With `back` (the dropless exchange's), and
-        autograd recording, through `_LocalExperts`: the rows' gradient leaves for their ranks
-        before w1's gradient is computed."""
+        autograd recording, the gate/up half is `_LocalGateUp`: the rows' gradient leaves for
+        their ranks before w1's gradient is computed."""
         if back is not None and needs_gradient(rows, weights, self.w1, self.w2):
-            return _LocalExperts.apply(rows, weights.contiguous(), self.w1, self.w2, local_ids.contiguous(),
-                                       self.activation, back)
+            weights, local_ids = weights.contiguous(), local_ids.contiguous()
+            layout = _LocalGateUp.apply(rows, self.w1, self.w2, weights, local_ids, self.activation, back)
+            return torch.ops.flashmoe_science.moe_experts_down(rows, self.w1, self.w2, weights, local_ids, *layout)
         return fused_experts(rows, self.w1, self.w2, weights, local_ids, activation=self.activation)
 
     def _sorted_by_owner(self, ids):
@@ -325,7 +326,7 @@ def _wait(pending: list) -> None:
 
 class _GradientBack:
     """The received rows' gradient on its way back to their ranks (the reverse of one `_SendRows`
-    exchange): sent by the experts' backward (`_LocalExperts`) as soon as it has it, so that the
+    exchange): sent by the experts' backward (`_LocalGateUp`) as soon as it has it, so that the
     exchange overlaps the experts' w1 gradient, and taken by `_SendRows`' backward."""
 
     def __init__(self, send_sizes, recv_sizes, group):
@@ -373,7 +374,7 @@ class _SendRows(torch.autograd.Function):
     def backward(ctx, grad_rows, grad_routing):
         (position,) = ctx.saved_tensors
         back = ctx.back
-        if grad_rows is not None:  # the rows went elsewhere than `_LocalExperts`
+        if grad_rows is not None:  # the rows went elsewhere than `_LocalGateUp`
             back.send(grad_rows)
         grad_tokens = grad_routing_sent = None
         grad_sent = back.take()
@@ -384,42 +385,34 @@ class _SendRows(torch.autograd.Function):
         return grad_tokens, grad_routing_sent, None, None, None, None
 
 
-class _LocalExperts(torch.autograd.Function):
-    """`fused_experts` on the received rows (weights (n, m) float32 contiguous, local_ids (n, m)
-    int32), through the same kernels as its custom ops, with the backward in the order expert
-    parallelism wants: d [gate, up] and d w2, then the rows' gradient, which is sent back to their
-    ranks at once (`back`), then d w1 while that exchange is in flight. The rows' own gradient
-    is None: `_SendRows`' backward takes it from `back`."""
+class _LocalGateUp(torch.autograd.Function):
+    """The gate/up half of `fused_experts` on the received rows (weights (n, m) float32 and
+    local_ids (n, m) int32, contiguous), as its custom op `moe_experts_gate_up` runs it, with the
+    backward in the order expert parallelism wants: the rows' gradient first, sent back to their
+    ranks at once (`back`), then w1's gradient while that exchange travels. The rows' own
+    gradient is None: `_SendRows`' backward takes it from `back`. The down half is the custom op
+    `moe_experts_down`, whose backward gives d w2, the weights' gradient and d [gate, up]."""
 
     @staticmethod
-    def forward(ctx, rows, weights, w1, w2, local_ids, activation, back):
+    def forward(ctx, rows, w1, w2, weights, local_ids, activation, back):
         layout = experts.gate_up_for_backward(rows, w1, w2, weights, local_ids, activation)
-        h, h_grads = layout[:2]
-        out = experts.down_for_backward(rows, w1, w2, weights, local_ids, h, *layout[2:])
-        ctx.save_for_backward(rows, w1, w2, weights, local_ids, *layout[2:])
-        # Kept outside the saved tensors so that the backward frees them before d w1 is allocated.
-        ctx.h, ctx.h_grads, ctx.back = h, h_grads, back
+        ctx.save_for_backward(rows, w1, w2, local_ids, *layout[2:])
+        ctx.back = back
+        ctx.mark_non_differentiable(*layout[2:])
         ctx.set_materialize_grads(False)
-        return out
+        return layout
 
     @staticmethod
-    def backward(ctx, grad_out):
-        rows, w1, w2, weights, local_ids, *layout = ctx.saved_tensors
-        h, h_grads = ctx.h, ctx.h_grads
-        ctx.h = ctx.h_grads = None
-        need_rows, need_weights, need_w1, need_w2 = ctx.needs_input_grad[:4]
-        if grad_out is None:
-            return None, None, None, None, None, None, None
-        grad_gate_up, grad_w2, grad_weights = backward.down_backward(
-            grad_out, rows, w1, w2, weights, local_ids, h, h_grads, *layout, need_rows or need_w1, need_w2)
-        del h, h_grads
-        if need_rows:
-            ctx.back.send(backward.gate_up_backward(grad_gate_up, rows, w1, w2, local_ids, *layout, True, False)[0])
+    def backward(ctx, grad_h, grad_gate_up, *layout_grads):
+        need_rows, need_w1 = ctx.needs_input_grad[:2]
         grad_w1 = None
-        if need_w1:
-            grad_w1 = backward.gate_up_backward(grad_gate_up, rows, w1, w2, local_ids, *layout, False, True)[1]
-        return (None, grad_weights if need_weights else None, grad_w1, grad_w2 if need_w2 else None,
-                None, None, None)
+        if grad_gate_up is not None:
+            saved = ctx.saved_tensors
+            if need_rows:
+                ctx.back.send(backward.gate_up_backward(grad_gate_up, *saved, True, False)[0])
+            if need_w1:
+                grad_w1 = backward.gate_up_backward(grad_gate_up, *saved, False, True)[1]
+        return None, grad_w1, None, None, None, None, None
 
 
 class _Exchange(torch.autograd.Function):

@@ -2,7 +2,8 @@
 over gloo, each with its own tokens, fp32, against the full layer that every rank also holds:
 outputs and input gradients equal, each rank's expert-weight gradients the slice of the full
 layer's summed over ranks, router gradients summed over ranks equal; the backward's rows'
-gradient sent before w1's gradient is computed; tokens that need no gradient, and no_grad;
+gradient sent before w1's gradient is computed; tokens that need no gradient, no_grad, and a
+second backward through the same graph;
 routings that send every token to one rank's experts, a rank with no tokens, and an expert count
 the group cannot split;
 the fixed-capacity mode, with room for every assignment and with assignments dropped, and
@@ -143,6 +144,19 @@ def _check_without_input_gradient(full, sharded, x, rank):
         _close(out, full(x), f"rank {rank} output under no_grad")
 
 
+def _check_backward_twice(sharded, x, rank):
+    """A second backward through the same graph (retain_graph=True) adds the same gradients again."""
+    for p in sharded.parameters():
+        p.grad = None
+    x = x.requires_grad_()
+    out, grad_out = sharded(x), torch.randn_like(x)
+    out.backward(grad_out, retain_graph=True)
+    first = [t.grad.clone() for t in (x, sharded.w1, sharded.w2)]
+    out.backward(grad_out)
+    for name, once, t in zip(("input", "w1", "w2"), first, (x, sharded.w1, sharded.w2)):
+        _close(t.grad, 2 * once, f"rank {rank} {name} gradient after two backwards")
+
+
 def _check_with_fsdp2(rank, world, device):
     """The sharded layer between two Linear layers that FSDP2 (fully_shard) shards: the output
     of the unsharded model, and FSDP's gradients (averaged over ranks) those of the unsharded
@@ -196,6 +210,7 @@ def _worker(rank, world, store_path, backend):
         if world == 2:
             _check_rows_gradient_leaves_before_w1_gradient(sharded, torch.randn(tokens, 32))
             _check_without_input_gradient(full, sharded, torch.randn(tokens, 32), rank)
+            _check_backward_twice(sharded, torch.randn(tokens, 32), rank)
         # Dropless in chunks of 2 tokens (a pipeline of up to 6 chunks, the last one short)
         _check_against_full_layer(full, shard_experts(full, chunk_tokens=2), torch.randn(tokens, 32), rank, world)
         for bad in (0, 2.0, True):
