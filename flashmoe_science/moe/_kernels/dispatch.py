@@ -23,10 +23,11 @@ When all pairs fit one chunk (decode), the routing kernel does both steps itself
 for a single token it writes the layout straight from the token's k picks (rank by expert id).
 Ids outside [0, E) are dropped from the layout (their pairs contribute nothing).
 
-Compile-time constants are only the tile sizes (E_PAD = 256 for every E), the layout mode and
-whether align counts its own pairs. top_k, the scoring,
-the renormalisation and BLOCK_M are runtime arguments (never value-specialised), so the few
-builds `builds.shipped_builds` lists are every variant the launchers can run.
+Compile-time constants are only the tile sizes (E_PAD: 256 for the count table and the align
+kernels; for a routing launch that builds the whole layout, E's next power of two, at least 16:
+`configs.route_expert_pad`), the layout mode and whether align counts its own pairs. top_k, the
+scoring, the renormalisation and BLOCK_M are runtime arguments (never value-specialised), so the
+few builds `builds.shipped_builds` lists are every variant the launchers can run.
 """
 import triton
 import triton.language as tl
