@@ -347,9 +347,9 @@ class _SendRows(torch.autograd.Function):
     """The rows for the experts' owners and their routing, in one exchange: rows[p] =
     tokens[source[p]], with routing[p] packed behind it in one byte row, sent asynchronously (the
     work on `pending`). Returns the received rows and routing, views of the received bytes. Its
-    backward takes the rows' gradient from `back` (where the experts' backward sent it), sums
-    each token's rows' gradients (position: each token's rows, (T, m)) and sends the routing's
-    gradient back.
+    backward takes the rows' gradient from `back` (where the experts' backward sent it: the rows'
+    consumers, `_LocalGateUp` and the down custom op, return none for them), sums each token's
+    rows' gradients (position: each token's rows, (T, m)) and sends the routing's gradient back.
 
     The routing starts 16-byte aligned, and a byte row is a multiple of 16 elements of the rows'
     dtype: the experts' kernels read the received rows in place only with such a stride
@@ -374,8 +374,6 @@ class _SendRows(torch.autograd.Function):
     def backward(ctx, grad_rows, grad_routing):
         (position,) = ctx.saved_tensors
         back = ctx.back
-        if grad_rows is not None:  # the rows went elsewhere than `_LocalGateUp`
-            back.send(grad_rows)
         grad_tokens = grad_routing_sent = None
         grad_sent = back.take()
         if ctx.needs_input_grad[0] and grad_sent is not None:

@@ -20,9 +20,9 @@ import argparse
 import torch
 
 from ...moe import configs, fused_moe, routing
-from ...moe.fp8 import quantize_fp8_blockwise
 from ..moe import SHAPES
 from ..timing import graph_replay, time_gpu
+from .moe_fp8_decode import layer_weights
 
 PROFILED_REPLAYS = 50
 ROUTE_CASES = ((128, 8), (64, 6), (8, 2))  # (E, k) of Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral
@@ -49,10 +49,7 @@ def _profile_shape(name: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     E, k, H, I = SHAPES[name]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H**-0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I**-0.5).to(torch.bfloat16)
-    (q1, s1), (q2, s2) = quantize_fp8_blockwise(w1), quantize_fp8_blockwise(w2)
+    g, w1, w2, (q1, s1), (q2, s2) = layer_weights(SHAPES[name])
     for T in (1, 4):
         x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
         logits = torch.randn(T, E, device="cuda", generator=g)

@@ -43,16 +43,23 @@ def main() -> None:
         fp8.PLANS.clear()
 
 
-def _sweep_shape(name, shape, tokens, table) -> None:
+def layer_weights(shape):
+    """(generator, w1, w2 in bf16, (q1, s1), (q2, s2): their block-FP8 forms) of a layer of `shape`
+    (E, k, H, I), seeded alike on every call."""
     E, k, H, I = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H**-0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I**-0.5).to(torch.bfloat16)
-    (q1, s1), (q2, s2) = quantize_fp8_blockwise(w1), quantize_fp8_blockwise(w2)
+    return g, w1, w2, quantize_fp8_blockwise(w1), quantize_fp8_blockwise(w2)
+
+
+def _sweep_shape(name, shape, tokens, table) -> None:
+    E, k, H, I = shape
+    g, w1, w2, (q1, s1), (q2, s2) = layer_weights(shape)
     for T in tokens:
         x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
         logits = torch.randn(T, E, device="cuda", generator=g)
-        print(f"{name} T={T} bf16: {_graph_us(lambda: fused_moe(x, w1, w2, logits, k)):.1f} us", flush=True)
+        print(f"{name} T={T} bf16: {graph_us(lambda: fused_moe(x, w1, w2, logits, k)):.1f} us", flush=True)
         reference = None
         for cfg in [None, *CANDIDATES]:
             configs.fp8_config = table if cfg is None else (lambda *_, cfg=cfg: cfg)
@@ -63,11 +70,12 @@ def _sweep_shape(name, shape, tokens, table) -> None:
             out = call()
             reference = out.clone() if reference is None else reference
             label = f"table {table(info_for(x), T, k, E)}" if cfg is None else str(cfg)
-            print(f"{name} T={T} {label}: {_graph_us(call):.1f} us same bits {torch.equal(out, reference)}",
+            print(f"{name} T={T} {label}: {graph_us(call):.1f} us same bits {torch.equal(out, reference)}",
                   flush=True)
 
 
-def _graph_us(fn) -> float:
+def graph_us(fn) -> float:
+    """GPU time of a CUDA-graph replay of fn, µs (median of 5 timings)."""
     return time_gpu(graph_replay(fn), warmup_ms=10, rep_ms=60, repeats=5).median_ms * 1e3
 
 
