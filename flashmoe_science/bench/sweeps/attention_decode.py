@@ -1,7 +1,7 @@
 """Time candidate KV-cache (decode) configurations on a GPU, to tune `configs.DECODE` and the
 split heuristic (`configs.decode_splits`).
 
-    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--head-dim {128,64}] [--out DIR]
+    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--cases {d128,d64,hkv4}] [--out DIR]
 
 For each case (batch, cached length, heads, head dim, page size; bf16, one new token) it times,
 in two phases:
@@ -38,10 +38,17 @@ CASES = ((1, 4096, 32, 8, 128, 0), (1, 65536, 32, 8, 128, 0), (8, 8192, 32, 8, 1
          (24, 4096, 32, 8, 128, 0), (32, 4096, 32, 8, 128, 0),
          (64, 4096, 32, 8, 128, 0), (128, 2048, 32, 8, 128, 0), (8, 8192, 32, 32, 128, 0), (8, 8192, 32, 8, 128, 16),
          (64, 4096, 32, 8, 128, 16))
-# Head dim 64 (`--head-dim 64`), where the table's tile doubles BLOCK_N to keep D = 128's bytes a
+# Head dim 64 (`--cases d64`), where the table's tile doubles BLOCK_N to keep D = 128's bytes a
 # step: the bandwidth-bound rows of the decode benchmark, one long sequence to many short ones.
 D64_CASES = ((1, 131072, 32, 8, 64, 0), (1, 32768, 32, 8, 64, 0), (8, 8192, 32, 8, 64, 0), (32, 4096, 32, 8, 64, 0),
              (32, 1024, 32, 8, 64, 0), (128, 1024, 32, 8, 64, 0))
+# Qwen3-30B-A3B's attention (`--cases hkv4`): eight query heads a KV head, so half the (sequence, KV
+# head) tiles of Hkv 8 at the same batch, each of eight query rows; one sequence to many, the
+# shapes of the decode benchmark's CUDA-graph rows for that model.
+HKV4_CASES = ((1, 4096, 32, 4, 128, 0), (8, 4096, 32, 4, 128, 0), (32, 4096, 32, 4, 128, 0),
+              (1, 32768, 32, 4, 128, 0), (32, 4096, 32, 4, 128, 16))
+CASE_SETS = {"d128": (CASES, "attention_decode_sweep"), "d64": (D64_CASES, "attention_decode_sweep_d64"),
+             "hkv4": (HKV4_CASES, "attention_decode_sweep_hkv4")}
 # K and V bytes of a timed graph's layers together, at most GRAPH_LAYERS layers: enough that the
 # graph's fixed cost is a small share of each call, as in the decode benchmark's 32-layer graphs
 # (with 1-3 layers of these sizes, calls measured 5-10% longer).
@@ -137,16 +144,16 @@ def best_per_case(rows) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one case")
-    parser.add_argument("--head-dim", type=int, choices=(128, 64), default=128,
-                        help="the cases of this head dim (default: 128, GQA and MHA, contiguous and paged)")
+    parser.add_argument("--cases", choices=tuple(CASE_SETS), default="d128",
+                        help="d128: head dim 128, GQA and MHA, contiguous and paged (default); d64: head dim 64; "
+                             "hkv4: Qwen3-30B-A3B's 32 query and 4 KV heads")
     parser.add_argument("--out", default="out/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the decode sweep times GPU kernels; no GPU here", file=sys.stderr)
         return 2
     meta = {"environment": environment()}
-    cases = D64_CASES if args.head_dim == 64 else CASES
-    name = "attention_decode_sweep" if args.head_dim == 128 else f"attention_decode_sweep_d{args.head_dim}"
+    cases, name = CASE_SETS[args.cases]
     rows = sweep(cases[:1] if args.quick else cases,
                  checkpoint=lambda rows: write_results(args.out, name, rows, meta))
     print("\n".join(best_per_case(rows)))
