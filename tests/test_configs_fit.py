@@ -183,3 +183,25 @@ def test_decode_key_block_fits_a_tail_into_one_wave():
     assert [keys(b, 4096) for b in (96, 128)] == [128, 128]
     assert keys(64, 4096, block_d=128) == 64 and keys(64, 4096, cache=1) == 128
     assert decode_config(None, 2, 64, 4).block_n == 128  # no device: the table's tile
+
+
+def test_decode_latency_tile_while_the_tiles_leave_sms_idle():
+    """At head dim 128 (bf16, one tile of query rows) on an H100, a contiguous cache whose
+    (sequence, KV head) tiles are fewer than the SMs takes DECODE_LATENCY_TILE (the cases its
+    comment measured); 132 tiles or more, a paged cache, an FP8 cache, fp32, other head dims and
+    tiles of more than 16 rows keep the table's."""
+    from flashmoe_science.attention.configs import DECODE, DECODE_LATENCY_TILE, decode_config
+    h100 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
+
+    def tile(sequence_heads, *, rows=8, block_d=128, element_size=2, cache=None, paged=False):
+        return decode_config(h100, element_size, block_d, rows, cache, sequence_heads=sequence_heads, capacity=4096,
+                             paged=paged)
+
+    assert [tile(n) for n in (1, 8, 32, 64, 128, 131)] == [DECODE_LATENCY_TILE] * 6
+    table = DECODE[2]
+    assert [tile(n).block_n for n in (132, 160, 256, 1024)] == [table.block_n] * 4
+    assert tile(8, paged=True).block_n == tile(8, cache=1).block_n == table.block_n
+    assert tile(8, rows=32).block_m == 32 and tile(8, rows=32).block_n == table.block_n
+    assert tile(8, block_d=64).block_n == 2 * table.block_n and tile(8, block_d=256).block_n == table.block_n // 2
+    assert tile(8, element_size=4).block_n == DECODE[4].block_n
+    assert decode_config(None, 2, 128, 8) != DECODE_LATENCY_TILE  # no device: the table's tile

@@ -445,6 +445,16 @@ DECODE_FP8_CACHE_EXTRA_STAGES = 1
 # takes two or more (B 96: 1.94, B 128: 2.59) it is as fast or faster, paged by up to 20%
 # (B 96: 283 against 353).
 DECODE_TAIL_WAVES = 1.5
+# At D = 128 (16-bit q and cache, contiguous, one tile of at most 16 query rows), while the
+# (sequence, KV head) tiles leave SMs idle, so that split-KV spreads each sequence over them and a
+# call is bound more by latency than by bandwidth, 32 keys a block on two warps in three stages
+# beat the table's tile: the fastest of 24 tiles in 9 of 12 such cases of the decode sweeps
+# (attention_decode_sweep_short.json, _hkv4.json), and in one H100 run against the table's tile
+# with its own split count (benchmarks/results/before_after_decode_tile/) 0.92-0.98x the time in
+# 11 of 12 cases, 1.02x at one sequence of 1k keys. Once the tiles fill the SMs it measured up to
+# 4% slower (20 and 128 sequences of 2-4k keys, attention_decode_sweep.json), and in pages of 16
+# 17% slower (8 sequences of 8k): those keep the table's tile.
+DECODE_LATENCY_TILE = AttentionConfig(16, 32, 2, 3)
 DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
 # The combine kernel: one program per row, the splits' partials DECODE_COMBINE_SPLITS at a time
 # ([16, 256] fp32 over four warps: 32 registers a thread), so one long sequence's many splits are
@@ -485,20 +495,24 @@ def takes_decode(element_size: int, seqlen_q: int, group_size: int, seqlen_k: in
 
 def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int,
                   cache_element_size: int | None = None, sequence_heads: int = 0,
-                  capacity: int = 0) -> AttentionConfig:
+                  capacity: int = 0, paged: bool = False) -> AttentionConfig:
     """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head), q of
     `element_size` bytes, the cache of `cache_element_size` (q's when None; 1 for FP8). Given the
-    call's `sequence_heads` (batch x KV heads) and cache `capacity` on `device`, a 16-bit call at
-    a head dim of 64 or less keeps the table's doubled key block only where its programs do not
-    just overflow one resident wave (DECODE_TAIL_WAVES)."""
+    call's `sequence_heads` (batch x KV heads), cache `capacity` and layout (`paged`) on
+    `device`, a 16-bit call at a head dim of 64 or less keeps the table's doubled key block only
+    where its programs do not just overflow one resident wave (DECODE_TAIL_WAVES), and one at
+    D = 128 on a contiguous cache whose tiles leave SMs idle takes DECODE_LATENCY_TILE."""
     base = DECODE[element_size]
     limit = DECODE_MAX_BLOCK_M[element_size] if block_d <= 128 else 16 if element_size == 4 else 32
     block_m = min(limit, max(16, 1 << max(rows - 1, 0).bit_length()))
     block_n = base.block_n * 2 if block_d <= 64 else base.block_n if block_d <= 128 else base.block_n // 2
     stages = base.num_stages + (DECODE_FP8_CACHE_EXTRA_STAGES if cache_element_size == 1 else 0)
     cfg = AttentionConfig(block_m, block_n, base.num_warps, stages)
-    if device is None or not sequence_heads or element_size != 2 or block_n == base.block_n or \
-            cache_element_size not in (None, element_size):
+    if device is None or not sequence_heads or element_size != 2 or cache_element_size not in (None, element_size):
+        return cfg
+    if block_d == 128 and block_m == DECODE_LATENCY_TILE.block_m and not paged and sequence_heads < device.sm_count:
+        return DECODE_LATENCY_TILE
+    if block_n == base.block_n:
         return cfg
     tiles = sequence_heads * -(-rows // block_m)
     narrow = AttentionConfig(block_m, base.block_n, base.num_warps, stages)
@@ -545,4 +559,7 @@ def decode_configs(cache_element_size: int | None = None):
                 if element_size == 2 and block_d <= 64 and cache_element_size is None:  # the one-wave key block
                     yield element_size, block_d, AttentionConfig(rows, DECODE[2].block_n, cfg.num_warps,
                                                                  cfg.num_stages)
+                if element_size == 2 and block_d == 128 and cache_element_size is None and \
+                        rows == DECODE_LATENCY_TILE.block_m:
+                    yield element_size, block_d, DECODE_LATENCY_TILE
 

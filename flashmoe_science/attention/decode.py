@@ -189,7 +189,8 @@ class DecodePlan:
         self.block_d = head_dim_block(head_dim)
         self.capacity = _capacity(k_cache, block_table)
         cfg = self.config = config or decode_config(info_for(q), q.element_size(), self.block_d, self.rows,
-                                                    k_cache.element_size(), batch * heads_kv, self.capacity)
+                                                    k_cache.element_size(), batch * heads_kv, self.capacity,
+                                                    block_table is not None)
         self.block_m = cfg.block_m
         num_m_blocks = cdiv(self.rows, self.block_m)
         self.rows_padded = num_m_blocks * self.block_m

@@ -1,12 +1,12 @@
 """Time candidate KV-cache (decode) configurations on a GPU, to tune `configs.DECODE` and the
 split heuristic (`configs.decode_splits`).
 
-    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--cases {d128,d64,hkv4}] [--out DIR]
+    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--cases {d128,d64,hkv4,short}] [--out DIR]
 
 For each case (batch, cached length, heads, head dim, page size; bf16, one new token) it times,
 in two phases:
-1. the table's tile, then every other (`decode_candidates`: keys per block, warps, stages), with
-   the table's split count,
+1. the table's tile (what `decode_config` picks for the case's call), then every other
+   (`decode_candidates`: keys per block, warps, stages), with the table's split count,
    forced through `DecodePlan(config=...)`;
 2. the table's tile, and the fastest of phase 1 where that is another, with each split count
    from 1 up to what the cache allows (the split heuristic is tuned for the table's tile).
@@ -47,8 +47,12 @@ D64_CASES = ((1, 131072, 32, 8, 64, 0), (1, 32768, 32, 8, 64, 0), (8, 8192, 32, 
 # shapes of the decode benchmark's CUDA-graph rows for that model.
 HKV4_CASES = ((1, 4096, 32, 4, 128, 0), (8, 4096, 32, 4, 128, 0), (32, 4096, 32, 4, 128, 0),
               (1, 32768, 32, 4, 128, 0), (32, 4096, 32, 4, 128, 16))
+# Latency-bound calls (`--cases short`): one to eight sequences of 1k-16k keys, where the split
+# count trades programs against each split's fixed cost and the combine's partials.
+SHORT_CASES = ((1, 1024, 32, 8, 64, 0), (1, 4096, 32, 8, 64, 0), (1, 1024, 32, 8, 128, 0), (1, 8192, 32, 8, 128, 0),
+               (1, 8192, 32, 4, 128, 0), (1, 16384, 32, 4, 128, 0), (8, 1024, 32, 8, 128, 0), (1, 4096, 32, 32, 128, 0))
 CASE_SETS = {"d128": (CASES, "attention_decode_sweep"), "d64": (D64_CASES, "attention_decode_sweep_d64"),
-             "hkv4": (HKV4_CASES, "attention_decode_sweep_hkv4")}
+             "hkv4": (HKV4_CASES, "attention_decode_sweep_hkv4"), "short": (SHORT_CASES, "attention_decode_sweep_short")}
 # K and V bytes of a timed graph's layers together, at most GRAPH_LAYERS layers: enough that the
 # graph's fixed cost is a small share of each call, as in the decode benchmark's 32-layer graphs
 # (with 1-3 layers of these sizes, calls measured 5-10% longer).
@@ -81,7 +85,8 @@ def sweep(cases=CASES, dtype=torch.bfloat16, device="cuda", checkpoint=lambda ro
         case = dict(batch=batch, seqlen=seqlen, heads_q=heads_q, heads_kv=heads_kv, head_dim=dim,
                     page_size=page_size, floor_us=floor_ms * 1e3)
         block_d = head_dim_block(dim)
-        table_cfg = decode_config(info_for(q), q.element_size(), block_d, heads_q // heads_kv)
+        table_cfg = decode_config(info_for(q), q.element_size(), block_d, heads_q // heads_kv,
+                                  sequence_heads=batch * heads_kv, capacity=seqlen, paged=bool(page_size))
 
         def run(cfg, splits, k=k_cache, v=v_cache):
             plan = DecodePlan(q, k, table, True, (-1, -1), splits, config=cfg)
@@ -146,7 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one case")
     parser.add_argument("--cases", choices=tuple(CASE_SETS), default="d128",
                         help="d128: head dim 128, GQA and MHA, contiguous and paged (default); d64: head dim 64; "
-                             "hkv4: Qwen3-30B-A3B's 32 query and 4 KV heads")
+                             "hkv4: Qwen3-30B-A3B's 32 query and 4 KV heads; short: latency-bound calls")
     parser.add_argument("--out", default="out/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
