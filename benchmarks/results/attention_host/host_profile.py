@@ -1,5 +1,5 @@
 """Host time of packed attention training calls, by function (cProfile), on the GPU host."""
-import cProfile, pstats, sys, time, io
+import cProfile, pstats, time, io
 import torch
 from flashmoe_science.attention import flash_attention_qkvpacked
 
