@@ -5,7 +5,7 @@ split heuristic (`configs.decode_splits`).
 
 For each case (batch, cached length, heads, head dim, page size; bf16, one new token) it times,
 in two phases:
-1. the table's tile (what `decode_config` picks for the case's call), then every other
+1. the table's tile (what the dispatcher, `DecodePlan`, picks for the call), then every other
    (`decode_candidates`: keys per block, warps, stages), with the table's split count,
    forced through `DecodePlan(config=...)`;
 2. the table's tile, and the fastest of phase 1 where that is another, with each split count
@@ -25,7 +25,7 @@ from itertools import product
 
 import torch
 
-from ...attention.configs import AttentionConfig, decode_config, head_dim_block
+from ...attention.configs import AttentionConfig, head_dim_block
 from ...attention.decode import DecodePlan, launch_decode
 from ...device import SHARED_MEMORY_PER_BLOCK, info_for
 from ..attention_decode import graph_us_per_call, paged_copy
@@ -85,8 +85,7 @@ def sweep(cases=CASES, dtype=torch.bfloat16, device="cuda", checkpoint=lambda ro
         case = dict(batch=batch, seqlen=seqlen, heads_q=heads_q, heads_kv=heads_kv, head_dim=dim,
                     page_size=page_size, floor_us=floor_ms * 1e3)
         block_d = head_dim_block(dim)
-        table_cfg = decode_config(info_for(q), q.element_size(), block_d, heads_q // heads_kv,
-                                  sequence_heads=batch * heads_kv, capacity=seqlen, paged=bool(page_size))
+        table_cfg = DecodePlan(q, k_cache, table, True, (-1, -1), 0).config  # what the dispatcher picks
 
         def run(cfg, splits, k=k_cache, v=v_cache):
             plan = DecodePlan(q, k, table, True, (-1, -1), splits, config=cfg)
