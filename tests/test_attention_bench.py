@@ -241,3 +241,23 @@ def test_headline_decode_row_reads_both_batches_graph_times(tmp_path):
     assert row in report.render_headline(tmp_path)
     path.write_text(json.dumps(dict(meta=dict(gpu="probe"), rows=rows((1,)))))
     assert "attention decode" not in report.render_headline(tmp_path)
+
+
+def test_headline_rows_from_another_gpu_name_it(tmp_path):
+    """A headline whose files ran on two GPUs: its note names the first file's, and each row from
+    another names that GPU in its file cell; one GPU, no cell names it."""
+    import json
+
+    case = dict(section="decode", seqlen=4096, heads_q=32, heads_kv=4, head_dim=128)
+    decode = [dict(case, batch=b, impl=impl, us=1.0, graph_us=1.0, graph_backend="sdpa_cudnn")
+              for b in (1, 32) for impl in ("ours", "sdpa_best")]
+    fp8 = [dict(section="throughput", head_dim=d, causal=False, seqlen=16384, impl=impl, tflops=1.0)
+           for d in (128, 256) for impl in ("ours_fp8", "sdpa_cudnn")]
+    (tmp_path / "attention_fp8.json").write_text(json.dumps(dict(meta=dict(gpu="GPU A"), rows=fp8)))
+    (tmp_path / "attention_decode.json").write_text(json.dumps(dict(meta=dict(gpu="GPU A"), rows=decode)))
+    single = report.render_headline(tmp_path)
+    assert single.startswith("_GPU A; bf16") and "(GPU A)" not in single
+    (tmp_path / "attention_decode.json").write_text(json.dumps(dict(meta=dict(gpu="GPU B"), rows=decode)))
+    mixed = report.render_headline(tmp_path)
+    assert mixed.startswith("_GPU A unless the file names another; bf16")
+    assert "`attention_decode.json` (GPU B) |" in mixed and "`attention_fp8.json` |" in mixed

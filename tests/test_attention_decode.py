@@ -368,6 +368,34 @@ def test_any_cache_matches_reference(data):
 def test_gpu_decode_within_twice_pytorch(B, Sq, Hq, Hkv, D, capacity, page_size):
     if page_size and capacity % page_size:
         pytest.skip("the capacity is not a whole number of pages")
+    _check_against_pytorch(B, Sq, Hq, Hkv, D, capacity, page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,Hkv,D,capacity,regime", [(1, 4, 128, 2048, "few"), (16, 8, 128, 2048, "stream"),
+                                                      (32, 8, 128, 2048, "stream"), (16, 8, 64, 2048, "stream"),
+                                                      (32, 8, 64, 2048, "stream"), (1, 8, 128, 32768, "stream"),
+                                                      (8, 8, 64, 4096, "stream")])
+def test_gpu_decode_regimes_within_twice_pytorch(B, Hkv, D, capacity, regime):
+    """The tiles of `configs.decode_schedule`'s regimes (on an H100 or H200: DECODE_FEW_TILE, and
+    DECODE_STREAM_TILES in one split or, over long caches, several), sequences of every length up
+    to the capacity."""
+    from flashmoe_science.attention.configs import DECODE_FEW_TILE, decode_stream_tile
+    from flashmoe_science.attention.decode import DecodePlan
+
+    q = torch.empty(B, 1, 32, D, dtype=torch.bfloat16, device="cuda")
+    plan = DecodePlan(q, torch.empty(B, capacity, Hkv, D, dtype=torch.bfloat16, device="cuda"), None, True,
+                      (-1, -1), 0)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if hopper and torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        expected = DECODE_FEW_TILE if regime == "few" else decode_stream_tile(-(-B * Hkv // 132), D)
+        assert plan.config == expected and (plan.num_splits == 1) == (regime == "stream" and B * Hkv > 64)
+    _check_against_pytorch(B, 1, 32, Hkv, D, capacity, 0)
+
+
+def _check_against_pytorch(B, Sq, Hq, Hkv, D, capacity, page_size):
+    """Each sequence's output against float64 attention, within twice PyTorch's own bf16 error;
+    random lengths (the first the whole capacity), pages in a random order."""
     generator = torch.Generator().manual_seed(B * capacity)
     lengths = torch.randint(0, capacity + 1, (B,), generator=generator).tolist()
     lengths[0] = capacity

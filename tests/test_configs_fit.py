@@ -178,30 +178,70 @@ def test_decode_key_block_fits_a_tail_into_one_wave():
     def keys(batch, seqlen, block_d=64, cache=None):
         return decode_config(h100, 2, block_d, 4, cache, sequence_heads=batch * 8, capacity=seqlen).block_n
 
-    assert [keys(b, 4096) for b in (1, 8, 16, 32, 40, 48)] == [128] * 6
+    assert [keys(b, 4096) for b in (1, 32, 40, 48)] == [128] * 4
+    assert keys(8, 4096) == keys(16, 4096) == 256  # DECODE_STREAM_TILES' one-program tile
     assert [keys(b, 4096) for b in (56, 64)] == [64, 64] and keys(64, 1024) == keys(64, 32768) == 64
     assert [keys(b, 4096) for b in (96, 128)] == [128, 128]
     assert keys(64, 4096, block_d=128) == 64 and keys(64, 4096, cache=1) == 128
     assert decode_config(None, 2, 64, 4).block_n == 128  # no device: the table's tile
 
 
-def test_decode_latency_tile_while_the_tiles_leave_sms_idle():
-    """At head dim 128 (bf16, one tile of query rows) on an H100, a contiguous cache whose
-    (sequence, KV head) tiles are fewer than the SMs takes DECODE_LATENCY_TILE (the cases its
-    comment measured); 132 tiles or more, a paged cache, an FP8 cache, fp32, other head dims and
-    tiles of more than 16 rows keep the table's."""
-    from flashmoe_science.attention.configs import DECODE, DECODE_LATENCY_TILE, decode_config
+def test_decode_regimes_by_how_the_tiles_fill_the_sms():
+    """At head dim 128 (bf16, one tile of query rows) on an H100, a contiguous cache of 4k keys
+    takes, by its (sequence, KV head) tiles: up to DECODE_FEW_SEQUENCE_HEADS, DECODE_FEW_TILE at
+    about a program an SM; fewer than DECODE_STREAM_FILL of the SMs, DECODE_LATENCY_TILE; up to one
+    and two an SM, DECODE_STREAM_TILES in one split; beyond, the table's tile. D = 64 streams with
+    twice the keys. Paged and FP8 caches, fp32, D = 256, tiles of more than 16 rows and GPUs other
+    than Hopper keep what they had; paged calls aim at DECODE_PAGED_WAVES programs an SM."""
+    from flashmoe_science.attention.configs import (DECODE, DECODE_FEW_TILE, DECODE_LATENCY_TILE,
+                                                    DECODE_STREAM_TILES, AttentionConfig, decode_config,
+                                                    decode_schedule)
+    h100 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
+    a100 = DeviceInfo("probe", 80, 108, SHARED_MEMORY_PER_BLOCK[80], 0)
+
+    def schedule(sequence_heads, *, rows=8, block_d=128, element_size=2, cache=None, paged=False, device=h100):
+        return decode_schedule(device, element_size, block_d, rows, cache, sequence_heads, 4096, paged)
+
+    def tiles(*counts, **options):
+        return [schedule(n, **options)[0] for n in counts]
+
+    assert tiles(1, 4, 8) == [DECODE_FEW_TILE] * 3 and schedule(4)[1] == 33 and schedule(8)[1] == 17
+    assert tiles(9, 32, 40, 92) == [DECODE_LATENCY_TILE] * 4
+    assert [schedule(n) for n in (93, 128, 132)] == [(DECODE_STREAM_TILES[0], 1)] * 3
+    assert [schedule(n) for n in (133, 192, 264)] == [(DECODE_STREAM_TILES[1], 1)] * 3
+    table = AttentionConfig(16, DECODE[2].block_n, DECODE[2].num_warps, DECODE[2].num_stages)
+    assert tiles(265, 512, 1024) == [table] * 3
+    assert [t.block_n for t in tiles(128, 256, block_d=64)] == [2 * t.block_n for t in DECODE_STREAM_TILES]
+    assert schedule(40, block_d=64)[0].block_n == 2 * table.block_n
+    assert schedule(128, paged=True) == (table, 3) and schedule(256, paged=True) == (table, 2)
+    assert schedule(128, cache=1)[0].block_n == table.block_n and schedule(128, cache=1)[1] == 2
+    assert schedule(8, rows=32)[0].block_m == 32 and schedule(128, rows=32)[0].block_n == table.block_n
+    assert schedule(128, block_d=256)[0].block_n == table.block_n // 2
+    assert schedule(8, element_size=4)[0].block_n == DECODE[4].block_n
+    assert tiles(100, 108, device=a100) == [DECODE_LATENCY_TILE, table]
+    assert decode_config(None, 2, 128, 8) == table  # no device: the table's tile
+    forced = AttentionConfig(16, 32, 2, 4)
+    assert decode_schedule(h100, 2, 128, 8, None, 128, 4096, False, forced) == (forced, 1)
+
+
+def test_decode_long_caches_split_for_a_program_an_sm():
+    """Few tiles over long caches (bound by bandwidth) take DECODE_STREAM_TILES' one-program tile,
+    split for at most a program an SM while each split keeps DECODE_STREAM_MIN_SPLIT_KEYS; the few-
+    tile regime keeps splits of at most DECODE_FEW_MAX_SPLIT_KEYS, the latency tile the rest."""
+    from flashmoe_science.attention.configs import (DECODE_FEW_TILE, DECODE_LATENCY_TILE, DECODE_STREAM_TILES,
+                                                    AttentionConfig, decode_schedule, decode_split_length)
     h100 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
 
-    def tile(sequence_heads, *, rows=8, block_d=128, element_size=2, cache=None, paged=False):
-        return decode_config(h100, element_size, block_d, rows, cache, sequence_heads=sequence_heads, capacity=4096,
-                             paged=paged)
+    def schedule(batch, heads_kv, capacity, block_d=128):
+        return decode_schedule(h100, 2, block_d, 32 // heads_kv, None, batch * heads_kv, capacity, False)
 
-    assert [tile(n) for n in (1, 8, 32, 64, 128, 131)] == [DECODE_LATENCY_TILE] * 6
-    table = DECODE[2]
-    assert [tile(n).block_n for n in (132, 160, 256, 1024)] == [table.block_n] * 4
-    assert tile(8, paged=True).block_n == tile(8, cache=1).block_n == table.block_n
-    assert tile(8, rows=32).block_m == 32 and tile(8, rows=32).block_n == table.block_n
-    assert tile(8, block_d=64).block_n == 2 * table.block_n and tile(8, block_d=256).block_n == table.block_n // 2
-    assert tile(8, element_size=4).block_n == DECODE[4].block_n
-    assert decode_config(None, 2, 128, 8) != DECODE_LATENCY_TILE  # no device: the table's tile
+    one = DECODE_STREAM_TILES[0]
+    assert schedule(1, 8, 65536) == (one, 16) and schedule(1, 8, 32768) == (one, 16)
+    assert decode_split_length(32768, 16, one.block_n) == 2048
+    assert schedule(1, 8, 16384)[0] == DECODE_LATENCY_TILE  # few-tile splits of 1k keys: too long
+    assert schedule(1, 8, 8192)[0] == DECODE_FEW_TILE and schedule(1, 4, 16384)[0] == DECODE_FEW_TILE
+    assert schedule(8, 8, 4096) == (one, 2)  # 64 tiles, two splits of 2k keys
+    assert schedule(8, 4, 4096)[0] == DECODE_LATENCY_TILE  # 32 tiles: four splits of 1k keys
+    wide = AttentionConfig(16, 2 * one.block_n, one.num_warps, one.num_stages)
+    assert schedule(1, 8, 131072, block_d=64) == (wide, 16) and schedule(8, 8, 4096, block_d=64) == (wide, 2)
+    assert schedule(1, 8, 16384, block_d=64)[0].num_stages == 2  # splits of 1k keys: the table's tile

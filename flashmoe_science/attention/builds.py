@@ -90,7 +90,7 @@ def _decode_builds(capability: int):
     pdl = PDL_AVAILABLE and capability >= PDL_MIN_CAPABILITY
     plain = [(False, False, NO_SCALES.value), (True, True, NO_SCALES.value)]
     fp8_caches = [(False, False, HEAD_SCALES.value), (True, True, TOKEN_SCALES.value)]
-    builds = [(element_size, block_d, cfg, plain) for element_size, block_d, cfg in decode_configs()]
+    builds = [(element_size, block_d, cfg, plain) for element_size, block_d, cfg in decode_configs(None, capability)]
     if fp8:
         builds += [(2, block_d, cfg, fp8_caches) for element_size, block_d, cfg in decode_configs(1)
                    if element_size == 2]

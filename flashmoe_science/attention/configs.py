@@ -451,10 +451,50 @@ DECODE_TAIL_WAVES = 1.5
 # beat the table's tile: the fastest of 24 tiles in 9 of 12 such cases of the decode sweeps
 # (attention_decode_sweep_short.json, _hkv4.json), and in one H100 run against the table's tile
 # with its own split count (benchmarks/results/before_after_decode_tile/) 0.92-0.98x the time in
-# 11 of 12 cases, 1.02x at one sequence of 1k keys. Once the tiles fill the SMs it measured up to
-# 4% slower (20 and 128 sequences of 2-4k keys, attention_decode_sweep.json), and in pages of 16
-# 17% slower (8 sequences of 8k): those keep the table's tile.
+# 11 of 12 cases, 1.02x at one sequence of 1k keys. In pages of 16 it measured 17% slower (8
+# sequences of 8k): paged caches keep the table's tile.
 DECODE_LATENCY_TILE = AttentionConfig(16, 32, 2, 3)
+# At most DECODE_FEW_SEQUENCE_HEADS such tiles (one sequence of 4 or 8 KV heads) take 64 keys on
+# four warps in three stages instead, split so that about one program runs per SM (DECODE_FEW_WAVES),
+# while the splits stay within DECODE_FEW_MAX_SPLIT_KEYS (bound by latency, not bandwidth). H200,
+# bf16, Hq 32, per layer of 32-layer CUDA graphs (benchmarks/results/decode_regimes/), one
+# sequence, Hkv 4: 4k keys 9.46 us against the latency tile's 10.22 (cuDNN 9.54), 8k 11.54 against
+# 12.09, 16k 15.58 against 16.15; Hkv 8: 1k 7.33 against 7.48, 4k 10.83 against 10.76, 8k 14.93
+# against 14.79. With 32 or 64 tiles it was 2-5% slower than the latency tile, and with splits of
+# 2k keys (32k, Hkv 8) 47.1 against 38.4: one program an SM keeps too few bytes in flight.
+DECODE_FEW_SEQUENCE_HEADS = 8
+DECODE_FEW_TILE = AttentionConfig(16, 64, 4, 3)
+DECODE_FEW_WAVES = 1
+DECODE_FEW_MAX_SPLIT_KEYS = 512
+# On Hopper, a 16-bit call on a contiguous cache at D = 128 or 64 (one tile of at most 16 rows)
+# streams K and V at the copy bandwidth with tiles that keep enough bytes in flight per SM: 128
+# keys in three stages (two blocks, 128 KB, in flight; one program an SM), or 64 keys in three
+# stages for two programs an SM (DECODE_STREAM_TILES; D = 64 doubles the keys, so a step's bytes
+# stay D = 128's). Tiles filling DECODE_STREAM_FILL of the SMs to two an SM run one split, no
+# combine; fewer tiles split for about a program an SM where each split keeps
+# DECODE_STREAM_MIN_SPLIT_KEYS (shorter ones pay the deep pipeline's start for little). The
+# table's tile keeps two stages, 64 KB in flight per SM at two programs, and its split counts add
+# the combine kernel (4.5 us at B 32, Sk 4k, Hkv 4). H200, bf16, Hq 32, per layer of 32-layer CUDA
+# graphs (benchmarks/results/decode_regimes/), before -> with them (cuDNN), Sk 4k unless given:
+# - one split, D 128: Hkv 4, B 32 70.2 -> 64.0 us (63.5), B 32 Sk 1k 25.5 -> 19.9 (19.5), B 32
+#   Sk 16k 251 -> 239 (238), B 64 Sk 2k 73.1 -> 64.4 (64.1); Hkv 8, B 12 56.9 -> 51.0 (50.0), B 20
+#   88.8 -> 88.2 (81.0), B 24 101.7 -> 95.7 (99.5), B 32 141.6 -> 123.1 (122.6); D 64, Hkv 8, B 16
+#   43.0 -> 34.7 (37.9), B 32 74.8 -> 64.3 (62.8);
+# - splits, Hkv 8: D 128, B 1, Sk 64k 71.3 -> 68.0 (68.1), Sk 32k -> 38.3 (38.1); D 64, B 1,
+#   Sk 128k 77.8 -> 69.2 (67.9), Sk 32k 25.7 -> 23.9 (22.4); B 8, Sk 4k 25.5 -> 23.8 (21.5), Sk 8k
+#   42.6 -> 38.8 (36.2); D 128, B 8 (64 tiles, 2 splits of 2k keys) 38.1 -> 38.5 (37.3).
+# At four tiles an SM (B 64, Hkv 8) the table's tile matched cuDNN (241.7 us against 241.1).
+# Measured on Hopper only, so other GPUs keep the tiles they had (the one-program tile's 136 KB of
+# shared memory is more than sm86 and sm89 have).
+DECODE_STREAM_TILES = (AttentionConfig(16, 128, 4, 3), AttentionConfig(16, 64, 4, 3))
+DECODE_STREAM_FILL = 0.7
+DECODE_STREAM_MIN_SPLIT_KEYS = 2048
+# A paged cache's key block loads its page ids first, and Triton pipelines loads whose addresses
+# come from a load in the same loop only half as deep, so paged calls aim at more programs per SM
+# (DECODE_PAGED_WAVES against DECODE_WAVES). H200, bf16, D 128, pages of 16, per layer of 32-layer
+# CUDA graphs: B 32, Sk 4k, Hkv 8 (256 tiles): 1 split 189.8 us, 2 splits 137.3; Hkv 4 (128 tiles):
+# 2 splits 102.5, 3 splits 83.1; pages of 256 alike (180.8 against 135.3).
+DECODE_PAGED_WAVES = 3
 DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
 # The combine kernel: one program per row, the splits' partials DECODE_COMBINE_SPLITS at a time
 # ([16, 256] fp32 over four warps: 32 registers a thread), so one long sequence's many splits are
@@ -493,73 +533,136 @@ def takes_decode(element_size: int, seqlen_q: int, group_size: int, seqlen_k: in
             and seqlen_k >= 8 * seqlen_q)
 
 
-def decode_config(device: DeviceInfo, element_size: int, block_d: int, rows: int,
+def decode_config(device: DeviceInfo | None, element_size: int, block_d: int, rows: int,
                   cache_element_size: int | None = None, sequence_heads: int = 0,
                   capacity: int = 0, paged: bool = False) -> AttentionConfig:
     """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head), q of
-    `element_size` bytes, the cache of `cache_element_size` (q's when None; 1 for FP8). Given the
-    call's `sequence_heads` (batch x KV heads), cache `capacity` and layout (`paged`) on
-    `device`, a 16-bit call at a head dim of 64 or less keeps the table's doubled key block only
-    where its programs do not just overflow one resident wave (DECODE_TAIL_WAVES), and one at
-    D = 128 on a contiguous cache whose tiles leave SMs idle takes DECODE_LATENCY_TILE."""
+    `element_size` bytes, the cache of `cache_element_size` (q's when None; 1 for FP8): the tile
+    of `decode_schedule`, or without a device or the call's shapes the table's."""
+    if device is None or not sequence_heads:
+        return _decode_table(element_size, block_d, rows, cache_element_size)
+    return decode_schedule(device, element_size, block_d, rows, cache_element_size, sequence_heads, capacity,
+                           paged)[0]
+
+
+def _decode_table(element_size: int, block_d: int, rows: int, cache_element_size: int | None) -> AttentionConfig:
+    """DECODE's tile for `rows` query rows at padded head dim `block_d`: a row block of 16 to the
+    element size's limit, the key block scaled to keep D = 128's bytes, FP8 caches a stage more."""
     base = DECODE[element_size]
     limit = DECODE_MAX_BLOCK_M[element_size] if block_d <= 128 else 16 if element_size == 4 else 32
     block_m = min(limit, max(16, 1 << max(rows - 1, 0).bit_length()))
     block_n = base.block_n * 2 if block_d <= 64 else base.block_n if block_d <= 128 else base.block_n // 2
     stages = base.num_stages + (DECODE_FP8_CACHE_EXTRA_STAGES if cache_element_size == 1 else 0)
-    cfg = AttentionConfig(block_m, block_n, base.num_warps, stages)
-    if device is None or not sequence_heads or element_size != 2 or cache_element_size not in (None, element_size):
-        return cfg
-    if block_d == 128 and block_m == DECODE_LATENCY_TILE.block_m and not paged and sequence_heads < device.sm_count:
-        return DECODE_LATENCY_TILE
-    if block_n == base.block_n:
-        return cfg
-    tiles = sequence_heads * -(-rows // block_m)
-    narrow = AttentionConfig(block_m, base.block_n, base.num_warps, stages)
-    if 1 < _decode_waves(device, cfg, element_size, block_d, tiles, capacity) <= DECODE_TAIL_WAVES and \
-            _decode_waves(device, narrow, element_size, block_d, tiles, capacity) <= 1:
-        return narrow
-    return cfg
+    return AttentionConfig(block_m, block_n, base.num_warps, stages)
+
+
+def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: int,
+                    cache_element_size: int | None, sequence_heads: int, capacity: int, paged: bool,
+                    config: AttentionConfig | None = None) -> tuple[AttentionConfig, int]:
+    """(tile, split count) for a call of `rows` query rows per (batch, KV head) on `device`,
+    given its `sequence_heads` (batch x KV heads), cache `capacity` and layout (`paged`);
+    `config` replaces the tile (the tuning sweeps), the split count staying the regime's. A
+    16-bit call on a contiguous cache, one tile of at most 16 rows:
+    - at D = 128 or 64 on Hopper: DECODE_STREAM_TILES, one program a tile an SM or two (one
+      split), or splits for about a program an SM while each split keeps
+      DECODE_STREAM_MIN_SPLIT_KEYS, where the programs fill DECODE_STREAM_FILL of the SMs;
+    - else at D = 128, with fewer tiles than SMs: DECODE_FEW_TILE (at most
+      DECODE_FEW_SEQUENCE_HEADS tiles, splits of at most DECODE_FEW_MAX_SPLIT_KEYS) or
+      DECODE_LATENCY_TILE.
+    At D = 64 or less the table's doubled key block stays only where its programs do not just
+    overflow one resident wave (DECODE_TAIL_WAVES). Paged calls aim at DECODE_PAGED_WAVES programs
+    an SM, the others at DECODE_WAVES."""
+    table = _decode_table(element_size, block_d, rows, cache_element_size)
+    tiles = max(sequence_heads, 1) * -(-rows // table.block_m)
+
+    def run(tile: AttentionConfig, splits: int) -> tuple[AttentionConfig, int]:
+        return config or tile, splits
+
+    if element_size != 2 or cache_element_size not in (None, element_size):
+        return run(table, decode_splits(device, tiles, capacity, table.block_n))
+    waves = DECODE_PAGED_WAVES if paged else DECODE_WAVES
+    if table.block_m == 16 and not paged:
+        per_sm = -(-tiles // device.sm_count)
+        if block_d in (64, 128) and device.arch_family == 90 and per_sm <= len(DECODE_STREAM_TILES):
+            tile = decode_stream_tile(per_sm, block_d)
+            splits = max(device.sm_count // tiles, 1)
+            if tiles * splits >= DECODE_STREAM_FILL * device.sm_count and (
+                    splits == 1 or decode_split_length(capacity, splits, tile.block_n) >= DECODE_STREAM_MIN_SPLIT_KEYS):
+                return run(tile, splits)
+        if block_d == 128 and tiles <= DECODE_FEW_SEQUENCE_HEADS:
+            splits = decode_splits(device, tiles, capacity, DECODE_FEW_TILE.block_n, DECODE_FEW_WAVES)
+            if decode_split_length(capacity, splits, DECODE_FEW_TILE.block_n) <= DECODE_FEW_MAX_SPLIT_KEYS:
+                return run(DECODE_FEW_TILE, splits)
+        if block_d == 128 and tiles < device.sm_count:
+            return run(DECODE_LATENCY_TILE, decode_splits(device, tiles, capacity, DECODE_LATENCY_TILE.block_n, waves))
+    tile = table
+    if table.block_n != DECODE[2].block_n:
+        narrow = AttentionConfig(table.block_m, DECODE[2].block_n, table.num_warps, table.num_stages)
+        if 1 < _decode_waves(device, table, element_size, block_d, tiles, capacity, waves) <= DECODE_TAIL_WAVES and \
+                _decode_waves(device, narrow, element_size, block_d, tiles, capacity, waves) <= 1:
+            tile = narrow
+    return run(tile, decode_splits(device, tiles, capacity, tile.block_n, waves))
+
+
+def decode_stream_tile(tiles_per_sm: int, block_d: int) -> AttentionConfig:
+    """DECODE_STREAM_TILES' tile for calls of up to `tiles_per_sm` (sequence, KV head) tiles an SM
+    at padded head dim `block_d` (64: twice the keys of 128's)."""
+    tile = DECODE_STREAM_TILES[tiles_per_sm - 1]
+    return AttentionConfig(tile.block_m, tile.block_n * 128 // block_d, tile.num_warps, tile.num_stages)
+
+
+def decode_split_length(capacity: int, splits: int, block_n: int) -> int:
+    """Keys a split covers when `splits` cut a cache of `capacity` tokens: whole key blocks."""
+    return -(-(-(-max(capacity, 1) // splits)) // block_n) * block_n
 
 
 def _decode_waves(device: DeviceInfo, cfg: AttentionConfig, element_size: int, block_d: int, tiles: int,
-                  capacity: int) -> float:
+                  capacity: int, waves: int) -> float:
     """How many waves of resident programs the split kernel's grid takes on `device`: its
-    programs (tiles times the split count) over the SMs times the programs an SM's shared memory
-    holds (the pipeline's K and V tiles, num_stages buffers on Hopper and one fewer elsewhere,
-    and the query tile)."""
+    programs (tiles times the split count for `waves`) over the SMs times the programs an SM's
+    shared memory holds (the pipeline's K and V tiles, num_stages buffers on Hopper and one fewer
+    elsewhere, and the query tile)."""
     buffers = cfg.num_stages if device.arch_family == 90 else max(cfg.num_stages - 1, 1)
     smem = element_size * block_d * (2 * cfg.block_n * buffers + cfg.block_m)
     per_sm = max(device.shared_memory_per_block // smem, 1)
-    programs = tiles * decode_splits(device, tiles, capacity, cfg.block_n)
+    programs = tiles * decode_splits(device, tiles, capacity, cfg.block_n, waves)
     return programs / (device.sm_count * per_sm)
 
 
-def decode_splits(device: DeviceInfo, tiles: int, capacity: int, block_n: int) -> int:
+def decode_splits(device: DeviceInfo, tiles: int, capacity: int, block_n: int, waves: int = DECODE_WAVES) -> int:
     """How many key ranges split-KV cuts each sequence's cache of `capacity` tokens into: enough
-    programs for DECODE_WAVES per SM over `tiles` (batch x KV heads x row blocks), rounded down
-    where the last split would add at most 1 / DECODE_SPLIT_SLACK_PARTS of `tiles`' programs, each
-    range at least one key block while the tiles leave SMs idle, DECODE_MIN_SPLIT_BLOCKS once they
-    do not."""
+    programs for `waves` per SM over `tiles` (batch x KV heads x row blocks), rounded down where
+    the last split would add at most 1 / DECODE_SPLIT_SLACK_PARTS of `tiles`' programs, each range
+    at least one key block while the tiles leave SMs idle, DECODE_MIN_SPLIT_BLOCKS once they do
+    not."""
     tiles = max(tiles, 1)
-    target = DECODE_WAVES * device.sm_count
+    target = waves * device.sm_count
     wanted = -(-(DECODE_SPLIT_SLACK_PARTS * target - tiles) // (DECODE_SPLIT_SLACK_PARTS * tiles))
     least = 1 if tiles < device.sm_count else DECODE_MIN_SPLIT_BLOCKS
     return max(1, min(wanted, -(-capacity // block_n) // least, 128))
 
 
-def decode_configs(cache_element_size: int | None = None):
-    """Every (q's element size, padded head dim, config) the KV-cache dispatcher can pick, for
-    caches of q's dtype (None) or of `cache_element_size` bytes."""
+def decode_configs(cache_element_size: int | None = None, capability: int | None = None):
+    """Every (q's element size, padded head dim, config) the KV-cache dispatcher can pick, once
+    each, for caches of q's dtype (None) or of `cache_element_size` bytes, on a GPU of
+    `capability` (None: those every GPU can pick)."""
+    return list(dict.fromkeys(_decode_configs(cache_element_size, capability)))
+
+
+def _decode_configs(cache_element_size: int | None, capability: int | None):
     for element_size, block_d in product((2, 4), (16, 32, 64, 128, 256)):
         for rows in (16, 32, 64):
             cfg = decode_config(None, element_size, block_d, rows, cache_element_size)
             if cfg.block_m == rows:
                 yield element_size, block_d, cfg
-                if element_size == 2 and block_d <= 64 and cache_element_size is None:  # the one-wave key block
+                if element_size != 2 or cache_element_size is not None:
+                    continue
+                if block_d <= 64:  # the one-wave key block
                     yield element_size, block_d, AttentionConfig(rows, DECODE[2].block_n, cfg.num_warps,
                                                                  cfg.num_stages)
-                if element_size == 2 and block_d == 128 and cache_element_size is None and \
-                        rows == DECODE_LATENCY_TILE.block_m:
-                    yield element_size, block_d, DECODE_LATENCY_TILE
+                if block_d == 128 and rows == 16:
+                    yield from ((element_size, block_d, tile) for tile in (DECODE_LATENCY_TILE, DECODE_FEW_TILE))
+                if block_d in (64, 128) and rows == 16 and capability == 90:
+                    yield from ((element_size, block_d, decode_stream_tile(per_sm, block_d))
+                                for per_sm in range(1, len(DECODE_STREAM_TILES) + 1))
 

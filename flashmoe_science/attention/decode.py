@@ -32,7 +32,8 @@ from ..launch import KernelLauncher, PlanCache
 from ._kernels.decode import (HEAD_SCALES, NO_SCALES, PDL_AVAILABLE, TOKEN_SCALES, attention_decode_combine_kernel,
                               attention_decode_split_kernel, kv_cache_append_kernel)
 from .checks import DTYPES, NO_WINDOW, check_band, check_bool, check_options, check_tensor
-from .configs import DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, decode_config, decode_splits, head_dim_block
+from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, decode_schedule, decode_split_length,
+                      head_dim_block)
 from .layouts import LOG2E, cdiv, kernel_window, positive_scale
 
 _SPLIT = KernelLauncher("attention_decode_split", attention_decode_split_kernel, fp32_dots=True)
@@ -188,15 +189,14 @@ class DecodePlan:
         self.rows = seqlen_q * group
         self.block_d = head_dim_block(head_dim)
         self.capacity = _capacity(k_cache, block_table)
-        cfg = self.config = config or decode_config(info_for(q), q.element_size(), self.block_d, self.rows,
-                                                    k_cache.element_size(), batch * heads_kv, self.capacity,
-                                                    block_table is not None)
+        cfg, splits = decode_schedule(info_for(q), q.element_size(), self.block_d, self.rows, k_cache.element_size(),
+                                      batch * heads_kv, self.capacity, block_table is not None, config)
+        self.config = cfg
         self.block_m = cfg.block_m
         num_m_blocks = cdiv(self.rows, self.block_m)
         self.rows_padded = num_m_blocks * self.block_m
-        splits = num_splits or decode_splits(info_for(q), batch * heads_kv * num_m_blocks, self.capacity, cfg.block_n)
-        splits = max(1, min(splits, cdiv(max(self.capacity, 1), cfg.block_n)))
-        self.split_len = cdiv(cdiv(max(self.capacity, 1), splits), cfg.block_n) * cfg.block_n
+        splits = max(1, min(num_splits or splits, cdiv(max(self.capacity, 1), cfg.block_n)))
+        self.split_len = decode_split_length(self.capacity, splits, cfg.block_n)
         self.num_splits = cdiv(max(self.capacity, 1), self.split_len)
         self.split_grid = (self.num_splits, batch * heads_kv, num_m_blocks)
         self.combine_grid = (batch * heads_kv, self.rows, 1)

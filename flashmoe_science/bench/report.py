@@ -685,13 +685,27 @@ def render_headline(results_dir) -> str:
         by = {r["impl"]: r for r in rows if r["ep"] == top}
         if "ours" in by and "reference" in by:
             ours, theirs = by["ours"], by["reference"]
-            out.append(f"| expert-parallel MoE layer forward+backward | {ours['shape']}, EP {top} "
-                       f"({result['meta'].get('gpu') or 'CPU'}), 16384 tokens a GPU | "
+            out.append(f"| expert-parallel MoE layer forward+backward | {ours['shape']}, EP {top}, "
+                       f"16384 tokens a GPU | "
                        f"{ours['tokens_per_s_per_gpu'] / 1e3:.0f}k tokens/s per GPU | "
                        f"{theirs['tokens_per_s_per_gpu'] / 1e3:.0f}k (all_to_all + grouped_mm) | "
                        f"{ours['tokens_per_s_per_gpu'] / theirs['tokens_per_s_per_gpu']:.2f}x | `ep_4gpu.json` |")
     out += _tc_headline(results_dir, gpus)
-    return f"_{', '.join(dict.fromkeys(gpus))}; bf16 unless marked FP8._\n\n" + "\n".join(out) + "\n"
+    gpus = list(dict.fromkeys(gpus))
+    if len(gpus) > 1:  # rows from a GPU other than the first named: their file cell names it
+        out[2:] = [_with_gpu(line, results_dir, gpus[0]) for line in out[2:]]
+        note = f"{gpus[0]} unless the file names another"
+    else:
+        note = ", ".join(gpus)
+    return f"_{note}; bf16 unless marked FP8._\n\n" + "\n".join(out) + "\n"
+
+
+def _with_gpu(row: str, results_dir, usual: str) -> str:
+    """A headline row whose file cell also names the GPU its results file ran on, where the file
+    records one other than `usual`."""
+    name = row.rsplit("`", 2)[-2]
+    gpu = ((_load(results_dir, name.removesuffix(".json")) or {}).get("meta") or {}).get("gpu")
+    return row if not gpu or gpu == usual else row.replace(f"`{name}` |", f"`{name}` ({gpu}) |")
 
 
 # The Tc cross-validation run whose epoch timings (`tc train --compare-backends`) the headline shows.

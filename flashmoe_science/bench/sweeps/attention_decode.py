@@ -1,5 +1,5 @@
 """Time candidate KV-cache (decode) configurations on a GPU, to tune `configs.DECODE` and the
-split heuristic (`configs.decode_splits`).
+tile and split rules (`configs.decode_schedule`).
 
     python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--cases {d128,d64,hkv4,short}] [--out DIR]
 
