@@ -191,8 +191,9 @@ def test_decode_regimes_by_how_the_tiles_fill_the_sms():
     takes, by its (sequence, KV head) tiles: up to DECODE_FEW_SEQUENCE_HEADS, DECODE_FEW_TILE at
     about a program an SM; fewer than DECODE_STREAM_FILL of the SMs, DECODE_LATENCY_TILE; up to one
     and two an SM, DECODE_STREAM_TILES in one split; beyond, the table's tile. D = 64 streams with
-    twice the keys. Paged and FP8 caches, fp32, D = 256, tiles of more than 16 rows and GPUs other
-    than Hopper keep what they had; paged calls aim at DECODE_PAGED_WAVES programs an SM."""
+    twice the keys. Paged and FP8 caches, fp32, D = 256, tiles of more than 16 rows keep what they
+    had, GPUs other than Hopper the latency tile and the table's; paged calls aim at
+    DECODE_PAGED_WAVES programs an SM."""
     from flashmoe_science.attention.configs import (DECODE, DECODE_FEW_TILE, DECODE_LATENCY_TILE,
                                                     DECODE_STREAM_TILES, AttentionConfig, decode_config,
                                                     decode_schedule)
@@ -218,7 +219,7 @@ def test_decode_regimes_by_how_the_tiles_fill_the_sms():
     assert schedule(8, rows=32)[0].block_m == 32 and schedule(128, rows=32)[0].block_n == table.block_n
     assert schedule(128, block_d=256)[0].block_n == table.block_n // 2
     assert schedule(8, element_size=4)[0].block_n == DECODE[4].block_n
-    assert tiles(100, 108, device=a100) == [DECODE_LATENCY_TILE, table]
+    assert tiles(4, 100, 108, device=a100) == [DECODE_LATENCY_TILE, DECODE_LATENCY_TILE, table]
     assert decode_config(None, 2, 128, 8) == table  # no device: the table's tile
     forced = AttentionConfig(16, 32, 2, 4)
     assert decode_schedule(h100, 2, 128, 8, None, 128, 4096, False, forced) == (forced, 1)

@@ -462,6 +462,7 @@ DECODE_LATENCY_TILE = AttentionConfig(16, 32, 2, 3)
 # 12.09, 16k 15.58 against 16.15; Hkv 8: 1k 7.33 against 7.48, 4k 10.83 against 10.76, 8k 14.93
 # against 14.79. With 32 or 64 tiles it was 2-5% slower than the latency tile, and with splits of
 # 2k keys (32k, Hkv 8) 47.1 against 38.4: one program an SM keeps too few bytes in flight.
+# Measured on Hopper only: other GPUs keep the latency tile.
 DECODE_FEW_SEQUENCE_HEADS = 8
 DECODE_FEW_TILE = AttentionConfig(16, 64, 4, 3)
 DECODE_FEW_WAVES = 1
@@ -566,7 +567,7 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
     - at D = 128 or 64 on Hopper: DECODE_STREAM_TILES, one program a tile an SM or two (one
       split), or splits for about a program an SM while each split keeps
       DECODE_STREAM_MIN_SPLIT_KEYS, where the programs fill DECODE_STREAM_FILL of the SMs;
-    - else at D = 128, with fewer tiles than SMs: DECODE_FEW_TILE (at most
+    - else at D = 128, with fewer tiles than SMs: DECODE_FEW_TILE (on Hopper, at most
       DECODE_FEW_SEQUENCE_HEADS tiles, splits of at most DECODE_FEW_MAX_SPLIT_KEYS) or
       DECODE_LATENCY_TILE.
     At D = 64 or less the table's doubled key block stays only where its programs do not just
@@ -589,7 +590,7 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
             if tiles * splits >= DECODE_STREAM_FILL * device.sm_count and (
                     splits == 1 or decode_split_length(capacity, splits, tile.block_n) >= DECODE_STREAM_MIN_SPLIT_KEYS):
                 return run(tile, splits)
-        if block_d == 128 and tiles <= DECODE_FEW_SEQUENCE_HEADS:
+        if block_d == 128 and tiles <= DECODE_FEW_SEQUENCE_HEADS and device.arch_family == 90:
             splits = decode_splits(device, tiles, capacity, DECODE_FEW_TILE.block_n, DECODE_FEW_WAVES)
             if decode_split_length(capacity, splits, DECODE_FEW_TILE.block_n) <= DECODE_FEW_MAX_SPLIT_KEYS:
                 return run(DECODE_FEW_TILE, splits)
