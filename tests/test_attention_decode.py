@@ -152,6 +152,33 @@ def test_fp16_and_an_int_length(device):
     assert rel_error(out.cpu(), ref) <= 2 * rel_error(theirs.half(), ref) + 1e-4
 
 
+@pytest.mark.parametrize("D,tile,num_splits", [(128, "stream1", 1), (128, "stream2", 3), (64, "stream1", 2),
+                                                (64, "stream2", 1), (128, "few", 3)])
+def test_hopper_regime_tiles_match_reference(D, tile, num_splits, device):
+    """`configs.decode_schedule`'s Hopper tiles (DECODE_STREAM_TILES at D = 128 and 64's doubled
+    keys, DECODE_FEW_TILE), forced through DecodePlan on any device: fp16, a capacity no whole
+    number of their key blocks, sequences ending mid-block and an empty one, one split writing the
+    output itself and several through the combine kernel."""
+    from flashmoe_science.attention.configs import DECODE_FEW_TILE, decode_stream_tile
+    from flashmoe_science.attention.decode import DecodePlan, launch_decode
+
+    cfg = DECODE_FEW_TILE if tile == "few" else decode_stream_tile(int(tile[-1]), D)
+    B, Hq, Hkv, capacity, lengths = 3, 8, 2, 600, [600, 301, 0]
+    q = torch.randn(B, 1, Hq, D, dtype=torch.float16, device=device)
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.float16, device, lengths)
+    plan = DecodePlan(q, k_cache, None, True, (-1, -1), num_splits, config=cfg)
+    assert plan.config == cfg and plan.num_splits == num_splits
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hq, 1), float("nan"), dtype=torch.float32, device=device)
+    launch_decode(plan, None, q, k_cache, v_cache, out, lse, torch.tensor(lengths, dtype=torch.int32, device=device),
+                  None, 0, None, 0.0)
+    ref, ref_lse = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), lengths)
+    theirs, _ = reference(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), lengths)
+    assert torch.all(out[2].cpu() == 0) and torch.all(lse[2].cpu() == float("-inf"))  # the empty sequence
+    assert rel_error(out[:2].cpu(), ref[:2]) <= 2 * rel_error(theirs[:2].half(), ref[:2]) + 1e-4
+    torch.testing.assert_close(lse[:2].cpu().double(), ref_lse[:2].double(), atol=1e-3, rtol=1e-3)
+
+
 def test_malformed_device_values_poison_their_sequence_only(device):
     """Lengths past the cache and page ids out of range are device values no host check sees:
     the sequence they belong to gets NaN, the others their right answers, and nothing outside the
