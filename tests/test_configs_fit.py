@@ -114,6 +114,26 @@ def test_dispatcher_only_picks_shipped_forward_configs(capability):
                         assert (element_size, block_d, cfg) in shipped
 
 
+@pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
+def test_dispatcher_only_picks_shipped_decode_configs(capability):
+    """Over KV-cache calls of every regime, `decode_schedule` picks a tile that `decode_configs`
+    ships for the GPU (so the target compile proved it fits) and 1 to DECODE_MAX_SPLITS splits."""
+    from flashmoe_science.attention.configs import DECODE_MAX_SPLITS, decode_configs, decode_schedule
+    from flashmoe_science.float8 import FP8_MIN_CAPABILITY
+
+    caches = [(2, None), (4, None)] + ([(2, 1)] if capability >= FP8_MIN_CAPABILITY else [])
+    for (element_size, cache), sm_count in itertools.product(caches, (46, 108, 132)):
+        shipped = set(decode_configs(cache, capability))
+        device = DeviceInfo("probe", capability, sm_count, SHARED_MEMORY_PER_BLOCK[capability], 0)
+        for block_d, rows, sequence_heads, capacity, paged in itertools.product(
+                (16, 32, 64, 128, 256), (1, 8, 17, 33, 64), (1, 8, 64, 93, 133, 265, 512, 4096),
+                (100, 4096, 65536, 262144), (False, True)):
+            cfg, splits = decode_schedule(device, element_size, block_d, rows, cache, sequence_heads, capacity,
+                                          paged)
+            assert (element_size, block_d, cfg) in shipped, (element_size, cache, block_d, rows, sequence_heads)
+            assert 1 <= splits <= DECODE_MAX_SPLITS
+
+
 def test_hopper_forward_dispatch_picks_gluon_where_it_was_measured_faster():
     """sm90, 16-bit, above HOPPER_MIN_FLOPS: the Gluon kernel per `GLUON_FORWARD` (head dim, masked or
     not, key count) unless softcapped; the Triton TMA kernel otherwise; the generic kernel off

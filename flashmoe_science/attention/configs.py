@@ -522,6 +522,7 @@ DECODE_MIN_SPLIT_BLOCKS = 16
 # B 16 (128 tiles, 2.06): 2 splits 103.0, 3 103.3; B 8, Sk 8k (64 tiles, 4.13): 4 splits 102.3,
 # 5 102.3. Over 14 such cases the count is the fastest of 1, 2, 3, 4, 6 and 8 or within 2%.
 DECODE_SPLIT_SLACK_PARTS = 4
+DECODE_MAX_SPLITS = 128  # the most key ranges a sequence's cache is cut into
 # Dense calls whose query rows per KV head (Sq x group) fit one decode tile, against at least this
 # many keys (and 8 per query), take the KV-cache kernels (`forward.ForwardPlan`): one program per
 # (batch, head, query block) would leave most SMs idle and read each group's K and V once per head.
@@ -586,7 +587,7 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
         per_sm = -(-tiles // device.sm_count)
         if block_d in (64, 128) and device.arch_family == 90 and per_sm <= len(DECODE_STREAM_TILES):
             tile = decode_stream_tile(per_sm, block_d)
-            splits = max(device.sm_count // tiles, 1)
+            splits = max(min(device.sm_count // tiles, DECODE_MAX_SPLITS), 1)
             if tiles * splits >= DECODE_STREAM_FILL * device.sm_count and (
                     splits == 1 or decode_split_length(capacity, splits, tile.block_n) >= DECODE_STREAM_MIN_SPLIT_KEYS):
                 return run(tile, splits)
@@ -597,7 +598,7 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
         if block_d == 128 and tiles < device.sm_count:
             return run(DECODE_LATENCY_TILE, decode_splits(device, tiles, capacity, DECODE_LATENCY_TILE.block_n, waves))
     tile = table
-    if table.block_n != DECODE[2].block_n:
+    if block_d <= 64:  # the doubled key block, or the table's where it fits a tail into one wave
         narrow = AttentionConfig(table.block_m, DECODE[2].block_n, table.num_warps, table.num_stages)
         if 1 < _decode_waves(device, table, element_size, block_d, tiles, capacity, waves) <= DECODE_TAIL_WAVES and \
                 _decode_waves(device, narrow, element_size, block_d, tiles, capacity, waves) <= 1:
@@ -640,7 +641,7 @@ def decode_splits(device: DeviceInfo, tiles: int, capacity: int, block_n: int, w
     target = waves * device.sm_count
     wanted = -(-(DECODE_SPLIT_SLACK_PARTS * target - tiles) // (DECODE_SPLIT_SLACK_PARTS * tiles))
     least = 1 if tiles < device.sm_count else DECODE_MIN_SPLIT_BLOCKS
-    return max(1, min(wanted, -(-capacity // block_n) // least, 128))
+    return max(1, min(wanted, -(-capacity // block_n) // least, DECODE_MAX_SPLITS))
 
 
 def decode_configs(cache_element_size: int | None = None, capability: int | None = None):
