@@ -1,7 +1,7 @@
 """Time candidate KV-cache (decode) configurations on a GPU, to tune `configs.DECODE` and the
 tile and split rules (`configs.decode_schedule`).
 
-    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--cases {d128,d64,hkv4,short}] [--out DIR]
+    python -m flashmoe_science.bench.sweeps.attention_decode [--quick] [--cases SET] [--out DIR]
 
 For each case (batch, cached length, heads, head dim, page size; bf16, one new token) it times,
 in two phases:
@@ -51,8 +51,15 @@ HKV4_CASES = ((1, 4096, 32, 4, 128, 0), (8, 4096, 32, 4, 128, 0), (32, 4096, 32,
 # count trades programs against each split's fixed cost and the combine's partials.
 SHORT_CASES = ((1, 1024, 32, 8, 64, 0), (1, 4096, 32, 8, 64, 0), (1, 1024, 32, 8, 128, 0), (1, 8192, 32, 8, 128, 0),
                (1, 8192, 32, 4, 128, 0), (1, 16384, 32, 4, 128, 0), (8, 1024, 32, 8, 128, 0), (1, 4096, 32, 32, 128, 0))
+# The stream regime's calls (`--cases stream`, `configs.DECODE_STREAM_TILES`): tiles filling 70% of
+# the SMs to two an SM, in one split, and few tiles over long caches split for a program an SM.
+STREAM_CASES = ((12, 4096, 32, 8, 128, 0), (24, 4096, 32, 8, 128, 0), (32, 4096, 32, 4, 128, 0),
+                (32, 4096, 32, 8, 128, 0), (16, 4096, 32, 8, 64, 0), (32, 4096, 32, 8, 64, 0),
+                (1, 65536, 32, 8, 128, 0), (1, 131072, 32, 8, 64, 0), (8, 8192, 32, 8, 64, 0))
 CASE_SETS = {"d128": (CASES, "attention_decode_sweep"), "d64": (D64_CASES, "attention_decode_sweep_d64"),
-             "hkv4": (HKV4_CASES, "attention_decode_sweep_hkv4"), "short": (SHORT_CASES, "attention_decode_sweep_short")}
+             "hkv4": (HKV4_CASES, "attention_decode_sweep_hkv4"),
+             "short": (SHORT_CASES, "attention_decode_sweep_short"),
+             "stream": (STREAM_CASES, "attention_decode_sweep_stream")}
 # K and V bytes of a timed graph's layers together, at most GRAPH_LAYERS layers: enough that the
 # graph's fixed cost is a small share of each call, as in the decode benchmark's 32-layer graphs
 # (with 1-3 layers of these sizes, calls measured 5-10% longer).
@@ -150,7 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one case")
     parser.add_argument("--cases", choices=tuple(CASE_SETS), default="d128",
                         help="d128: head dim 128, GQA and MHA, contiguous and paged (default); d64: head dim 64; "
-                             "hkv4: Qwen3-30B-A3B's 32 query and 4 KV heads; short: latency-bound calls")
+                             "hkv4: Qwen3-30B-A3B's 32 query and 4 KV heads; short: latency-bound calls; "
+                             "stream: the stream regime's calls")
     parser.add_argument("--out", default="out/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
