@@ -179,6 +179,45 @@ def test_hopper_regime_tiles_match_reference(D, tile, num_splits, device):
     torch.testing.assert_close(lse[:2].cpu().double(), ref_lse[:2].double(), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("page_size,block_n,aligned", [(16, 64, True), (64, 32, True), (64, 64, True),
+                                                       (48, 32, False)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_page_layouts_match_the_contiguous_cache(page_size, block_n, aligned, num_splits, leftpad, device):
+    """Every way a key block meets pages: several pages a block, several blocks a page, one each,
+    and page sizes no multiple or divisor of the block (the per-key path, as is any call with
+    leftpad); the same bits as the contiguous cache under the same tile, a page id out of range
+    poisoning its sequence only, and the kernel told which path it takes (aligned blocks, taken
+    on Hopper, forced here)."""
+    from flashmoe_science.attention.configs import AttentionConfig
+    from flashmoe_science.attention.decode import DecodePlan, launch_decode
+
+    B, Hq, Hkv, D, capacity, lengths = 3, 4, 2, 32, 192, [192, 101, 150]
+    q = torch.randn(B, 1, Hq, D, device=device)
+    k_cache, v_cache = make_cache(B, capacity, Hkv, D, torch.float32, device, lengths)
+    k_pages, table = paged(k_cache.cpu(), page_size)
+    v_pages = pages_like(v_cache.cpu(), k_pages, table)
+    table[2, 1] = k_pages.shape[0]  # visible and out of range: sequence 2 only turns NaN
+    k_pages, v_pages, table = k_pages.to(device), v_pages.to(device), table.to(device)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    starts = torch.tensor([5, 0, 17] if leftpad else [0, 0, 0], dtype=torch.int32, device=device)
+    cfg = AttentionConfig(16, block_n, 4, 2)
+    outs = []
+    for k, v, t in ((k_cache, v_cache, None), (k_pages, v_pages, table)):
+        plan = DecodePlan(q, k, t, True, (-1, -1), num_splits, config=cfg)
+        plan.aligned_pages = t is not None and aligned  # as on Hopper, on any device
+        out = torch.full_like(q, float("nan"))
+        clear_records()
+        launch_decode(plan, None, q, k, v, out, None, seqlens, t, 0, None, 0.0, cache_leftpad=starts if leftpad else None)
+        outs.append(out)
+    constexprs = last_launch("attention_decode_split").constexprs
+    assert constexprs["ALIGNED_PAGES"] == (aligned and not leftpad)
+    assert torch.equal(outs[1][:2], outs[0][:2])
+    assert torch.isnan(outs[1][2]).all()
+    ref, _ = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), lengths, starts=starts.tolist())
+    torch.testing.assert_close(outs[0].cpu().double(), ref, atol=2e-5, rtol=1e-4)
+
+
 def test_malformed_device_values_poison_their_sequence_only(device):
     """Lengths past the cache and page ids out of range are device values no host check sees:
     the sequence they belong to gets NaN, the others their right answers, and nothing outside the

@@ -134,6 +134,39 @@ def test_dispatcher_only_picks_shipped_decode_configs(capability):
             assert 1 <= splits <= DECODE_MAX_SPLITS
 
 
+def test_paged_decode_follows_the_contiguous_schedule_on_hopper():
+    """sm90, 16-bit, D 64/128, one tile of 16 rows: a paged call takes the contiguous call's stream
+    and few-tile schedules, DECODE_PAGED_BUSY_TILE past two tiles an SM, and page-aligned key
+    blocks where its page size meets the block and its two-stage grid stays within
+    DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES programs an SM; other GPUs keep the per-key path and their
+    paged schedule."""
+    from flashmoe_science.attention.configs import (DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES, DECODE_FEW_TILE,
+                                                    DECODE_LATENCY_TILE, DECODE_PAGED_BUSY_TILE, AttentionConfig,
+                                                    decode_aligned_pages, decode_schedule, decode_stream_tile)
+    sm90, sm80 = (DeviceInfo("probe", cap, 132, SHARED_MEMORY_PER_BLOCK[cap], 0) for cap in (90, 80))
+    for block_d, sequence_heads, capacity in itertools.product((64, 128), (1, 8, 64, 128, 256, 512, 1024),
+                                                               (1024, 4096, 65536)):
+        contiguous = decode_schedule(sm90, 2, block_d, 4, None, sequence_heads, capacity, False)
+        paged = decode_schedule(sm90, 2, block_d, 4, None, sequence_heads, capacity, True)
+        regimes = {decode_stream_tile(1, block_d), decode_stream_tile(2, block_d), DECODE_FEW_TILE}
+        if sequence_heads > 2 * 132:
+            assert paged[0] == DECODE_PAGED_BUSY_TILE, (block_d, sequence_heads)
+        elif contiguous[0] in regimes:
+            assert paged == contiguous, (block_d, sequence_heads, capacity)
+        else:  # the latency tile stays contiguous caches' (17% slower paged)
+            assert paged[0] != DECODE_LATENCY_TILE
+    assert decode_schedule(sm90, 2, 128, 4, None, 8, 8192, True)[0] == DECODE_FEW_TILE
+    two_stage = AttentionConfig(16, 64, 4, 2)
+    limit = DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES * 132
+    assert decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 16, 10 * limit)
+    assert decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 256, 10 * limit)
+    assert decode_aligned_pages(sm90, two_stage, 16, limit) and not decode_aligned_pages(sm90, two_stage, 16, limit + 1)
+    assert not decode_aligned_pages(sm90, two_stage, 48, 1)  # neither a multiple nor a divisor of 64 keys
+    assert not decode_aligned_pages(sm90, two_stage, 0, 1)  # a contiguous cache
+    assert not decode_aligned_pages(sm80, DECODE_PAGED_BUSY_TILE, 256, 1)
+    assert decode_schedule(sm80, 2, 128, 4, None, 512, 4096, True)[0] != DECODE_PAGED_BUSY_TILE
+
+
 def test_hopper_forward_dispatch_picks_gluon_where_it_was_measured_faster():
     """sm90, 16-bit, above HOPPER_MIN_FLOPS: the Gluon kernel per `GLUON_FORWARD` (head dim, masked or
     not, key count) unless softcapped; the Triton TMA kernel otherwise; the generic kernel off

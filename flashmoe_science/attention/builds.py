@@ -104,7 +104,7 @@ def _decode_builds(capability: int):
                        softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               PAGE_SIZE=16 if paged else 0, SOFTCAP=softcap, LENGTHS_TENSOR=paged, SINGLE=paged,
-                              WRITE_LSE=paged, SCALES=scales, PDL=pdl)
+                              WRITE_LSE=paged, SCALES=scales, PDL=pdl, ALIGNED_PAGES=paged)
             sig.update({name: "constexpr" for name in constexprs})
             cache_label = f" fp8 cache scales={scales}" if scales else ""
             yield KernelBuild(label=f"attention_decode_split fp{8 * element_size}{cache_label} D={block_d} "

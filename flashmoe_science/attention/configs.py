@@ -490,12 +490,31 @@ DECODE_FEW_MAX_SPLIT_KEYS = 512
 DECODE_STREAM_TILES = (AttentionConfig(16, 128, 4, 3), AttentionConfig(16, 64, 4, 3))
 DECODE_STREAM_FILL = 0.7
 DECODE_STREAM_MIN_SPLIT_KEYS = 2048
-# A paged cache's key block loads its page ids first, and Triton pipelines loads whose addresses
-# come from a load in the same loop only half as deep, so paged calls aim at more programs per SM
+# A paged cache's key block loads its page ids before its keys. Per key, with the page and slot
+# computed from each key's position, the split kernel's loop issues 1.75x the instructions of a
+# contiguous cache's (sm90 SASS, 64 keys) and Triton pipelines the loads whose addresses come from
+# a load in the same iteration only half as deep, so such calls aim at more programs per SM
 # (DECODE_PAGED_WAVES against DECODE_WAVES). H200, bf16, D 128, pages of 16, per layer of 32-layer
 # CUDA graphs: B 32, Sk 4k, Hkv 8 (256 tiles): 1 split 189.8 us, 2 splits 137.3; Hkv 4 (128 tiles):
 # 2 splits 102.5, 3 splits 83.1; pages of 256 alike (180.8 against 135.3).
 DECODE_PAGED_WAVES = 3
+# On Hopper, a key block that starts on a page bound (no leftpad; page size a multiple or a
+# divisor of the block) takes its page ids from the block's first key and loads them a block
+# ahead (the split kernel's ALIGNED_PAGES): the loop's instructions come within 1.2-1.3x the
+# contiguous cache's and its K and V loads pipeline as deep. Paged calls then take the contiguous
+# call's stream and few-tile schedules, and where more than two tiles an SM leave those,
+# DECODE_PAGED_BUSY_TILE (128 keys in three stages, one split). Per layer of 32-layer CUDA graphs,
+# H200, bf16, Hq 32 (benchmarks/results/decode_regimes/paged_aligned_ab.json), time over the
+# contiguous cache's, pages of 16 / 256, per-key path and DECODE_PAGED_WAVES -> this: B 1, Sk 64k,
+# Hkv 8, D 128 1.18 / 1.15 -> 1.06 / 1.02; B 8, Sk 4k 1.19 / 1.17 -> 1.08 / 1.05; B 32, Sk 4k,
+# Hkv 4 1.28 / 1.25 -> 1.11 / 1.01; Hkv 8 1.11 / 1.09 -> 1.02 / 1.01; B 64 1.04 / 1.02 -> 1.10 /
+# 1.01; D 64, B 32 1.36 / 1.32 -> 1.06 / 1.00; B 128, Sk 1k 1.23 / 1.18 -> 1.08 / 1.01; B 1, Sk 128k
+# 1.53 / 1.48 -> 1.24 / 1.03. The aligned loads in two stages hold a second K/V buffer: where the
+# grid has more than DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES programs an SM that costs residency (B 32,
+# Hkv 8, two splits of 64 keys, 512 programs: 1.34x against the per-key path's 1.11x), so such
+# calls keep the per-key path. Measured on Hopper only: other GPUs keep the per-key path.
+DECODE_PAGED_BUSY_TILE = AttentionConfig(16, 128, 4, 3)
+DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES = 3
 DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
 # The combine kernel: one program per row, the splits' partials DECODE_COMBINE_SPLITS at a time
 # ([16, 256] fp32 over four warps: 32 registers a thread), so one long sequence's many splits are
@@ -572,8 +591,9 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
       DECODE_FEW_SEQUENCE_HEADS tiles, splits of at most DECODE_FEW_MAX_SPLIT_KEYS) or
       DECODE_LATENCY_TILE.
     At D = 64 or less the table's doubled key block stays only where its programs do not just
-    overflow one resident wave (DECODE_TAIL_WAVES). Paged calls aim at DECODE_PAGED_WAVES programs
-    an SM, the others at DECODE_WAVES."""
+    overflow one resident wave (DECODE_TAIL_WAVES). Paged calls on Hopper take the stream and
+    few-tile regimes too, and DECODE_PAGED_BUSY_TILE at more than two tiles an SM; elsewhere they
+    aim at DECODE_PAGED_WAVES programs an SM, the others at DECODE_WAVES."""
     table = _decode_table(element_size, block_d, rows, cache_element_size)
     tiles = max(sequence_heads, 1) * -(-rows // table.block_m)
 
@@ -583,19 +603,23 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
     if element_size != 2 or cache_element_size not in (None, element_size):
         return run(table, decode_splits(device, tiles, capacity, table.block_n))
     waves = DECODE_PAGED_WAVES if paged else DECODE_WAVES
-    if table.block_m == 16 and not paged:
+    hopper = device.arch_family == 90
+    if table.block_m == 16 and (not paged or hopper):
         per_sm = -(-tiles // device.sm_count)
-        if block_d in (64, 128) and device.arch_family == 90 and per_sm <= len(DECODE_STREAM_TILES):
+        if block_d in (64, 128) and hopper and per_sm <= len(DECODE_STREAM_TILES):
             tile = decode_stream_tile(per_sm, block_d)
             splits = max(min(device.sm_count // tiles, DECODE_MAX_SPLITS), 1)
             if tiles * splits >= DECODE_STREAM_FILL * device.sm_count and (
                     splits == 1 or decode_split_length(capacity, splits, tile.block_n) >= DECODE_STREAM_MIN_SPLIT_KEYS):
                 return run(tile, splits)
-        if block_d == 128 and tiles <= DECODE_FEW_SEQUENCE_HEADS and device.arch_family == 90:
+        if block_d in (64, 128) and hopper and paged and per_sm > len(DECODE_STREAM_TILES):
+            return run(DECODE_PAGED_BUSY_TILE,
+                       decode_splits(device, tiles, capacity, DECODE_PAGED_BUSY_TILE.block_n, waves))
+        if block_d == 128 and tiles <= DECODE_FEW_SEQUENCE_HEADS and hopper:
             splits = decode_splits(device, tiles, capacity, DECODE_FEW_TILE.block_n, DECODE_FEW_WAVES)
             if decode_split_length(capacity, splits, DECODE_FEW_TILE.block_n) <= DECODE_FEW_MAX_SPLIT_KEYS:
                 return run(DECODE_FEW_TILE, splits)
-        if block_d == 128 and tiles < device.sm_count:
+        if block_d == 128 and tiles < device.sm_count and not paged:
             return run(DECODE_LATENCY_TILE, decode_splits(device, tiles, capacity, DECODE_LATENCY_TILE.block_n, waves))
     tile = table
     if block_d <= 64:  # the doubled key block, or the table's where it fits a tail into one wave
@@ -604,6 +628,14 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
                 _decode_waves(device, narrow, element_size, block_d, tiles, capacity, waves) <= 1:
             tile = narrow
     return run(tile, decode_splits(device, tiles, capacity, tile.block_n, waves))
+
+
+def decode_aligned_pages(device: DeviceInfo, cfg: AttentionConfig, page_size: int, programs: int) -> bool:
+    """Whether a paged call (pages of `page_size` tokens, no leftpad) with tile `cfg` and a grid of
+    `programs` takes the split kernel's page-aligned key blocks (DECODE_PAGED_BUSY_TILE's note)."""
+    fits = page_size > 0 and (page_size % cfg.block_n == 0 or cfg.block_n % page_size == 0)
+    return fits and device.arch_family == 90 and (
+        cfg.num_stages >= 3 or programs <= DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES * device.sm_count)
 
 
 def decode_stream_tile(tiles_per_sm: int, block_d: int) -> AttentionConfig:

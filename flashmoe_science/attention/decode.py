@@ -32,8 +32,8 @@ from ..launch import KernelLauncher, PlanCache
 from ._kernels.decode import (HEAD_SCALES, NO_SCALES, PDL_AVAILABLE, TOKEN_SCALES, attention_decode_combine_kernel,
                               attention_decode_split_kernel, kv_cache_append_kernel)
 from .checks import DTYPES, NO_WINDOW, check_band, check_bool, check_options, check_tensor
-from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, decode_schedule, decode_split_length,
-                      head_dim_block)
+from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, decode_aligned_pages, decode_schedule,
+                      decode_split_length, head_dim_block)
 from .layouts import LOG2E, cdiv, kernel_window, positive_scale
 
 _SPLIT = KernelLauncher("attention_decode_split", attention_decode_split_kernel, fp32_dots=True)
@@ -179,7 +179,7 @@ class DecodePlan:
 
     __slots__ = ("config", "rows", "block_m", "rows_padded", "num_splits", "split_len", "split_grid",
                  "combine_grid", "block_d", "default_scale", "capacity", "window", "page_size", "device_index",
-                 "pdl", "combine_options")
+                 "pdl", "combine_options", "aligned_pages")
 
     def __init__(self, q, k_cache, block_table, causal, window_size, num_splits, config=None):
         """`config` (an AttentionConfig) replaces the table's, for the tuning sweep."""
@@ -203,6 +203,8 @@ class DecodePlan:
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.window = kernel_window(causal, window_size)
         self.page_size = k_cache.shape[1] if block_table is not None else 0
+        # Key blocks on page bounds, unless leftpad shifts them (`launch_decode`)
+        self.aligned_pages = decode_aligned_pages(info_for(q), cfg, self.page_size, math.prod(self.split_grid))
         self.device_index = q.device.index if q.device.type == "cuda" else None
         # The combine kernel as a programmatic dependent launch (griddepcontrol, sm90 on):
         # `_kernels/decode.py`'s docstring.
@@ -291,7 +293,7 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
                    k_cache.shape[0], plan.rows,
                    plan.rows_padded, plan.split_len, plan.num_splits, *plan.window, head_dim, plan.block_d,
                    plan.block_m, cfg.block_n, plan.page_size, softcap > 0, lengths_tensor, single, write_lse, scales,
-                   plan.pdl),
+                   plan.pdl, plan.aligned_pages and not has_leftpad),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
     if single:
         return

@@ -66,6 +66,16 @@ def _cached_length(CACHE_SEQLENS, b, cache_len, seqlen_new, max_seqlen_k, LENGTH
     return cached, (cached >= 0) & (cached <= max_seqlen_k - seqlen_new)
 
 
+@triton.jit
+def _block_pages(TABLE_ROW, start, seqlen, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page id of each key of the block starting at `start` (a multiple of BLOCK_N; 0 past
+    `seqlen`): one load for the block when it lies in one page."""
+    if PAGE_SIZE >= BLOCK_N:
+        return tl.load(TABLE_ROW + start // PAGE_SIZE, mask=start < seqlen, other=0) + tl.zeros([BLOCK_N], tl.int32)
+    else:
+        return tl.load(TABLE_ROW + (start // PAGE_SIZE + offs_n // PAGE_SIZE), mask=start + offs_n < seqlen, other=0)
+
+
 # cache_len (an int cache_seqlens) changes from call to call under one launch key, and has_leftpad
 # (0 or 1) is a runtime flag: never specialised.
 @triton.jit(do_not_specialize=["cache_len", "has_leftpad"])
@@ -84,7 +94,7 @@ def attention_decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, LENGTHS_TENSOR: tl.constexpr, SINGLE: tl.constexpr,
     WRITE_LSE: tl.constexpr, SCALES: tl.constexpr = NO_SCALES, PDL: tl.constexpr = False,
-    DOT_PRECISION: tl.constexpr = TF32,
+    ALIGNED_PAGES: tl.constexpr = False, DOT_PRECISION: tl.constexpr = TF32,
 ):
     """K, V strides: (batch, token, head) of a contiguous cache, (page, slot, head) of a paged one.
     O_PART (num_splits, B, Hkv, rows_padded, BLOCK_D) and LSE_PART (num_splits, B, Hkv,
@@ -95,7 +105,10 @@ def attention_decode_split_kernel(
     are as for a sequence of cached + new - leftpad tokens. SCALES (module docstring): K_SCALE and
     V_SCALE (batch, heads_kv) with strides (stride_sb, -, stride_sh), or laid out as the cache
     without its head dim, strides (stride_sb, stride_sn, stride_sh); else never read. PDL: the
-    combine kernel follows as a programmatic dependent (module docstring)."""
+    combine kernel follows as a programmatic dependent (module docstring). ALIGNED_PAGES (a paged
+    cache without leftpad, PAGE_SIZE a multiple of BLOCK_N or a divisor of it): key blocks start at
+    multiples of BLOCK_N, so a block's slots are known at compile time, a block within one page
+    takes one page id for all its keys, and each block's page ids are loaded a block ahead."""
     if PDL and not SINGLE:
         gdc_launch_dependents()
     pid_s = tl.program_id(0)
@@ -141,16 +154,27 @@ def attention_decode_split_kernel(
     bad_page = tl.zeros([BLOCK_N], dtype=tl.int32)
     kv_head_k = h_kv.to(tl.int64) * stride_kh
     kv_head_v = h_kv.to(tl.int64) * stride_vh
+    if ALIGNED_PAGES:  # page ids a block ahead of their keys, so that both pipeline
+        next_page = _block_pages(BLOCK_TABLE + b64 * stride_tb, lo, seqlen_abs, offs_n, PAGE_SIZE, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         keys = (leftpad + start_n) + offs_n  # cache positions
         key_ok = keys < seqlen_abs
         if PAGE_SIZE > 0:
-            page = tl.load(BLOCK_TABLE + b64 * stride_tb + keys // PAGE_SIZE, mask=key_ok, other=0)
+            if ALIGNED_PAGES:
+                page = next_page
+                next_page = _block_pages(BLOCK_TABLE + b64 * stride_tb, start_n + BLOCK_N, seqlen_abs, offs_n,
+                                         PAGE_SIZE, BLOCK_N)
+                if PAGE_SIZE >= BLOCK_N:
+                    slot = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
+                else:
+                    slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            else:
+                page = tl.load(BLOCK_TABLE + b64 * stride_tb + keys // PAGE_SIZE, mask=key_ok, other=0)
+                slot = (keys % PAGE_SIZE).to(tl.int64)
             page_ok = (page >= 0) & (page < num_pages)
             bad_page = tl.maximum(bad_page, (key_ok & ~page_ok).to(tl.int32))
             key_ok = key_ok & page_ok
             page64 = tl.where(page_ok, page, 0).to(tl.int64)
-            slot = (keys % PAGE_SIZE).to(tl.int64)
             k_rows = page64 * stride_kb + slot * stride_kn
             v_rows = page64 * stride_vb + slot * stride_vn
         else:
