@@ -459,6 +459,23 @@ def test_gpu_decode_regimes_within_twice_pytorch(B, Hkv, D, capacity, regime):
     _check_against_pytorch(B, 1, 32, Hkv, D, capacity, 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,Hkv,D,capacity,page_size", [(1, 8, 128, 8192, 16), (32, 8, 128, 2048, 256),
+                                                         (64, 8, 128, 2048, 16), (128, 8, 64, 1024, 64),
+                                                         (8, 8, 64, 4096, 16), (1, 8, 128, 32768, 256)])
+def test_gpu_paged_regimes_within_twice_pytorch(B, Hkv, D, capacity, page_size):
+    """Paged caches in the few-tile, stream and busy regimes, through the page-aligned key blocks
+    on Hopper (`configs.decode_aligned_pages`)."""
+    from flashmoe_science.attention.decode import DecodePlan
+
+    q = torch.empty(B, 1, 32, D, dtype=torch.bfloat16, device="cuda")
+    pages = torch.empty(B * capacity // page_size, page_size, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(B, capacity // page_size, dtype=torch.int32, device="cuda")
+    plan = DecodePlan(q, pages, table, True, (-1, -1), 0)
+    assert plan.aligned_pages == (torch.cuda.get_device_capability() == (9, 0))
+    _check_against_pytorch(B, 1, 32, Hkv, D, capacity, page_size)
+
+
 def _check_against_pytorch(B, Sq, Hq, Hkv, D, capacity, page_size):
     """Each sequence's output against float64 attention, within twice PyTorch's own bf16 error;
     random lengths (the first the whole capacity), pages in a random order."""

@@ -127,7 +127,7 @@ def test_dispatcher_only_picks_shipped_decode_configs(capability):
         device = DeviceInfo("probe", capability, sm_count, SHARED_MEMORY_PER_BLOCK[capability], 0)
         for block_d, rows, sequence_heads, capacity, paged in itertools.product(
                 (16, 32, 64, 128, 256), (1, 8, 17, 33, 64), (1, 8, 64, 93, 133, 265, 512, 4096),
-                (100, 4096, 65536, 262144), (False, True)):
+                (100, 4096, 65536, 262144), (0, 16, 256)):
             cfg, splits = decode_schedule(device, element_size, block_d, rows, cache, sequence_heads, capacity,
                                           paged)
             assert (element_size, block_d, cfg) in shipped, (element_size, cache, block_d, rows, sequence_heads)
@@ -136,26 +136,31 @@ def test_dispatcher_only_picks_shipped_decode_configs(capability):
 
 def test_paged_decode_follows_the_contiguous_schedule_on_hopper():
     """sm90, 16-bit, D 64/128, one tile of 16 rows: a paged call takes the contiguous call's stream
-    and few-tile schedules, DECODE_PAGED_BUSY_TILE past two tiles an SM, and page-aligned key
+    and few-tile schedules, DECODE_PAGED_BUSY_TILE past two tiles an SM or where a stream tile's
+    block spans more than DECODE_PAGED_MAX_BLOCK_PAGES pages, and page-aligned key
     blocks where its page size meets the block and its two-stage grid stays within
     DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES programs an SM; other GPUs keep the per-key path and their
     paged schedule."""
     from flashmoe_science.attention.configs import (DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES, DECODE_FEW_TILE,
-                                                    DECODE_LATENCY_TILE, DECODE_PAGED_BUSY_TILE, AttentionConfig,
+                                                    DECODE_LATENCY_TILE, DECODE_PAGED_BUSY_TILE,
+                                                    DECODE_PAGED_MAX_BLOCK_PAGES, AttentionConfig,
                                                     decode_aligned_pages, decode_schedule, decode_stream_tile)
     sm90, sm80 = (DeviceInfo("probe", cap, 132, SHARED_MEMORY_PER_BLOCK[cap], 0) for cap in (90, 80))
     for block_d, sequence_heads, capacity in itertools.product((64, 128), (1, 8, 64, 128, 256, 512, 1024),
                                                                (1024, 4096, 65536)):
-        contiguous = decode_schedule(sm90, 2, block_d, 4, None, sequence_heads, capacity, False)
-        paged = decode_schedule(sm90, 2, block_d, 4, None, sequence_heads, capacity, True)
+        contiguous = decode_schedule(sm90, 2, block_d, 4, None, sequence_heads, capacity, 0)
         regimes = {decode_stream_tile(1, block_d), decode_stream_tile(2, block_d), DECODE_FEW_TILE}
-        if sequence_heads > 2 * 132:
-            assert paged[0] == DECODE_PAGED_BUSY_TILE, (block_d, sequence_heads)
-        elif contiguous[0] in regimes:
-            assert paged == contiguous, (block_d, sequence_heads, capacity)
-        else:  # the latency tile stays contiguous caches' (17% slower paged)
-            assert paged[0] != DECODE_LATENCY_TILE
-    assert decode_schedule(sm90, 2, 128, 4, None, 8, 8192, True)[0] == DECODE_FEW_TILE
+        for page_size in (16, 64, 256):
+            paged = decode_schedule(sm90, 2, block_d, 4, None, sequence_heads, capacity, page_size)
+            many_pages = contiguous[0].block_n > DECODE_PAGED_MAX_BLOCK_PAGES * page_size
+            if sequence_heads > 2 * 132 or (contiguous[0] in regimes and many_pages):
+                assert paged[0] == DECODE_PAGED_BUSY_TILE, (block_d, sequence_heads, page_size)
+            elif contiguous[0] in regimes:
+                assert paged == contiguous, (block_d, sequence_heads, capacity, page_size)
+            else:  # the latency tile stays contiguous caches' (17% slower paged)
+                assert paged[0] != DECODE_LATENCY_TILE
+    assert decode_schedule(sm90, 2, 64, 4, None, 8, 131072, 16)[0] == DECODE_PAGED_BUSY_TILE  # 256 keys: 16 pages
+    assert decode_schedule(sm90, 2, 128, 4, None, 8, 8192, 16)[0] == DECODE_FEW_TILE
     two_stage = AttentionConfig(16, 64, 4, 2)
     limit = DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES * 132
     assert decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 16, 10 * limit)
@@ -164,7 +169,7 @@ def test_paged_decode_follows_the_contiguous_schedule_on_hopper():
     assert not decode_aligned_pages(sm90, two_stage, 48, 1)  # neither a multiple nor a divisor of 64 keys
     assert not decode_aligned_pages(sm90, two_stage, 0, 1)  # a contiguous cache
     assert not decode_aligned_pages(sm80, DECODE_PAGED_BUSY_TILE, 256, 1)
-    assert decode_schedule(sm80, 2, 128, 4, None, 512, 4096, True)[0] != DECODE_PAGED_BUSY_TILE
+    assert decode_schedule(sm80, 2, 128, 4, None, 512, 4096, 16)[0] != DECODE_PAGED_BUSY_TILE
 
 
 def test_hopper_forward_dispatch_picks_gluon_where_it_was_measured_faster():
@@ -248,13 +253,13 @@ def test_decode_regimes_by_how_the_tiles_fill_the_sms():
     had, GPUs other than Hopper the latency tile and the table's; paged calls aim at
     DECODE_PAGED_WAVES programs an SM."""
     from flashmoe_science.attention.configs import (DECODE, DECODE_FEW_TILE, DECODE_LATENCY_TILE,
-                                                    DECODE_STREAM_TILES, AttentionConfig, decode_config,
-                                                    decode_schedule)
+                                                    DECODE_PAGED_BUSY_TILE, DECODE_STREAM_TILES, AttentionConfig,
+                                                    decode_config, decode_schedule)
     h100 = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
     a100 = DeviceInfo("probe", 80, 108, SHARED_MEMORY_PER_BLOCK[80], 0)
 
-    def schedule(sequence_heads, *, rows=8, block_d=128, element_size=2, cache=None, paged=False, device=h100):
-        return decode_schedule(device, element_size, block_d, rows, cache, sequence_heads, 4096, paged)
+    def schedule(sequence_heads, *, rows=8, block_d=128, element_size=2, cache=None, page_size=0, device=h100):
+        return decode_schedule(device, element_size, block_d, rows, cache, sequence_heads, 4096, page_size)
 
     def tiles(*counts, **options):
         return [schedule(n, **options)[0] for n in counts]
@@ -267,7 +272,9 @@ def test_decode_regimes_by_how_the_tiles_fill_the_sms():
     assert tiles(265, 512, 1024) == [table] * 3
     assert [t.block_n for t in tiles(128, 256, block_d=64)] == [2 * t.block_n for t in DECODE_STREAM_TILES]
     assert schedule(40, block_d=64)[0].block_n == 2 * table.block_n
-    assert schedule(128, paged=True) == (table, 3) and schedule(256, paged=True) == (table, 2)
+    assert schedule(128, page_size=16) == schedule(128) and schedule(264, page_size=256) == schedule(264)
+    assert schedule(265, page_size=16) == (DECODE_PAGED_BUSY_TILE, 2)
+    assert schedule(128, page_size=16, device=a100) == (table, 3) and schedule(256, page_size=16, device=a100) == (table, 2)
     assert schedule(128, cache=1)[0].block_n == table.block_n and schedule(128, cache=1)[1] == 2
     assert schedule(8, rows=32)[0].block_m == 32 and schedule(128, rows=32)[0].block_n == table.block_n
     assert schedule(128, block_d=256)[0].block_n == table.block_n // 2

@@ -512,8 +512,13 @@ DECODE_PAGED_WAVES = 3
 # 1.53 / 1.48 -> 1.24 / 1.03. The aligned loads in two stages hold a second K/V buffer: where the
 # grid has more than DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES programs an SM that costs residency (B 32,
 # Hkv 8, two splits of 64 keys, 512 programs: 1.34x against the per-key path's 1.11x), so such
-# calls keep the per-key path. Measured on Hopper only: other GPUs keep the per-key path.
+# calls keep the per-key path. A block over more than DECODE_PAGED_MAX_BLOCK_PAGES pages loads a
+# page id per key again: D 64's one-program stream tile (256 keys) in pages of 16 measured 1.22x
+# (B 8, Sk 8k) and 1.24x (B 1, Sk 128k) against 1.07x and 1.11x for DECODE_PAGED_BUSY_TILE at
+# DECODE_PAGED_WAVES, which such calls take. Measured on Hopper only: other GPUs keep the per-key
+# path.
 DECODE_PAGED_BUSY_TILE = AttentionConfig(16, 128, 4, 3)
+DECODE_PAGED_MAX_BLOCK_PAGES = 8
 DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES = 3
 DECODE_MAX_BLOCK_M = {2: 64, 4: 32}
 # The combine kernel: one program per row, the splits' partials DECODE_COMBINE_SPLITS at a time
@@ -556,14 +561,14 @@ def takes_decode(element_size: int, seqlen_q: int, group_size: int, seqlen_k: in
 
 def decode_config(device: DeviceInfo | None, element_size: int, block_d: int, rows: int,
                   cache_element_size: int | None = None, sequence_heads: int = 0,
-                  capacity: int = 0, paged: bool = False) -> AttentionConfig:
+                  capacity: int = 0, page_size: int = 0) -> AttentionConfig:
     """The KV-cache split kernel's configuration for `rows` query rows per (batch, KV head), q of
     `element_size` bytes, the cache of `cache_element_size` (q's when None; 1 for FP8): the tile
     of `decode_schedule`, or without a device or the call's shapes the table's."""
     if device is None or not sequence_heads:
         return _decode_table(element_size, block_d, rows, cache_element_size)
     return decode_schedule(device, element_size, block_d, rows, cache_element_size, sequence_heads, capacity,
-                           paged)[0]
+                           page_size)[0]
 
 
 def _decode_table(element_size: int, block_d: int, rows: int, cache_element_size: int | None) -> AttentionConfig:
@@ -578,10 +583,11 @@ def _decode_table(element_size: int, block_d: int, rows: int, cache_element_size
 
 
 def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: int,
-                    cache_element_size: int | None, sequence_heads: int, capacity: int, paged: bool,
+                    cache_element_size: int | None, sequence_heads: int, capacity: int, page_size: int,
                     config: AttentionConfig | None = None) -> tuple[AttentionConfig, int]:
     """(tile, split count) for a call of `rows` query rows per (batch, KV head) on `device`,
-    given its `sequence_heads` (batch x KV heads), cache `capacity` and layout (`paged`);
+    given its `sequence_heads` (batch x KV heads), cache `capacity` and layout (`page_size`
+    tokens a page, 0 for a contiguous cache);
     `config` replaces the tile (the tuning sweeps), the split count staying the regime's. A
     16-bit call on a contiguous cache, one tile of at most 16 rows:
     - at D = 128 or 64 on Hopper: DECODE_STREAM_TILES, one program a tile an SM or two (one
@@ -592,8 +598,9 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
       DECODE_LATENCY_TILE.
     At D = 64 or less the table's doubled key block stays only where its programs do not just
     overflow one resident wave (DECODE_TAIL_WAVES). Paged calls on Hopper take the stream and
-    few-tile regimes too, and DECODE_PAGED_BUSY_TILE at more than two tiles an SM; elsewhere they
-    aim at DECODE_PAGED_WAVES programs an SM, the others at DECODE_WAVES."""
+    few-tile regimes too where a key block spans at most DECODE_PAGED_MAX_BLOCK_PAGES pages, and
+    DECODE_PAGED_BUSY_TILE at more than two tiles an SM or more pages a block; elsewhere they aim
+    at DECODE_PAGED_WAVES programs an SM, the others at DECODE_WAVES."""
     table = _decode_table(element_size, block_d, rows, cache_element_size)
     tiles = max(sequence_heads, 1) * -(-rows // table.block_m)
 
@@ -602,17 +609,20 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
 
     if element_size != 2 or cache_element_size not in (None, element_size):
         return run(table, decode_splits(device, tiles, capacity, table.block_n))
+    paged = page_size > 0
     waves = DECODE_PAGED_WAVES if paged else DECODE_WAVES
     hopper = device.arch_family == 90
     if table.block_m == 16 and (not paged or hopper):
         per_sm = -(-tiles // device.sm_count)
-        if block_d in (64, 128) and hopper and per_sm <= len(DECODE_STREAM_TILES):
-            tile = decode_stream_tile(per_sm, block_d)
+        streams = block_d in (64, 128) and hopper and per_sm <= len(DECODE_STREAM_TILES)
+        tile = decode_stream_tile(min(per_sm, len(DECODE_STREAM_TILES)), block_d)
+        many_pages = paged and tile.block_n > DECODE_PAGED_MAX_BLOCK_PAGES * page_size
+        if streams and not many_pages:
             splits = max(min(device.sm_count // tiles, DECODE_MAX_SPLITS), 1)
             if tiles * splits >= DECODE_STREAM_FILL * device.sm_count and (
                     splits == 1 or decode_split_length(capacity, splits, tile.block_n) >= DECODE_STREAM_MIN_SPLIT_KEYS):
                 return run(tile, splits)
-        if block_d in (64, 128) and hopper and paged and per_sm > len(DECODE_STREAM_TILES):
+        if block_d in (64, 128) and hopper and paged and (not streams or many_pages):
             return run(DECODE_PAGED_BUSY_TILE,
                        decode_splits(device, tiles, capacity, DECODE_PAGED_BUSY_TILE.block_n, waves))
         if block_d == 128 and tiles <= DECODE_FEW_SEQUENCE_HEADS and hopper:

@@ -189,8 +189,9 @@ class DecodePlan:
         self.rows = seqlen_q * group
         self.block_d = head_dim_block(head_dim)
         self.capacity = _capacity(k_cache, block_table)
+        self.page_size = k_cache.shape[1] if block_table is not None else 0
         cfg, splits = decode_schedule(info_for(q), q.element_size(), self.block_d, self.rows, k_cache.element_size(),
-                                      batch * heads_kv, self.capacity, block_table is not None, config)
+                                      batch * heads_kv, self.capacity, self.page_size, config)
         self.config = cfg
         self.block_m = cfg.block_m
         num_m_blocks = cdiv(self.rows, self.block_m)
@@ -202,7 +203,6 @@ class DecodePlan:
         self.combine_grid = (batch * heads_kv, self.rows, 1)
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.window = kernel_window(causal, window_size)
-        self.page_size = k_cache.shape[1] if block_table is not None else 0
         # Key blocks on page bounds, unless leftpad shifts them (`launch_decode`)
         self.aligned_pages = decode_aligned_pages(info_for(q), cfg, self.page_size, math.prod(self.split_grid))
         self.device_index = q.device.index if q.device.type == "cuda" else None
