@@ -5,6 +5,9 @@ On the CPU these run through Triton's interpreter in fp32 and fp16 at small size
 (marked `gpu`) add bf16, realistic sizes, PyTorch's own error and CUDA-graph replay.
 """
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given
@@ -12,6 +15,8 @@ from hypothesis import strategies as st
 
 from flashmoe_science import flash_attention_with_kvcache
 from flashmoe_science.attention import attention_reference
+from flashmoe_science.attention import decode as decode_module
+from flashmoe_science.device import SHARED_MEMORY_PER_BLOCK, DeviceInfo
 from flashmoe_science.launch import clear_records, last_launch
 from test_attention_forward import rel_error
 
@@ -364,12 +369,28 @@ def test_dense_short_queries_take_the_kv_cache_kernels(Sq, Hq, Hkv, Sk, options,
     assert_grads_close(grads, refs, torch.float32)
 
 
+@contextlib.contextmanager
+def planning_as(device_info):
+    """Decode plans made as on `device_info` (None: the real device), none kept past the block."""
+    if device_info is None:
+        yield
+        return
+    decode_module.PLANS.clear()
+    try:
+        with mock.patch.object(decode_module, "info_for", lambda tensor: device_info):
+            yield
+    finally:
+        decode_module.PLANS.clear()
+
+
 @given(st.data())
 def test_any_cache_matches_reference(data):
     """Property: any batch, query length, GQA ratio, head dim, dtype, capacity, page size, lengths
     (including 0 and full; a tensor or, when all equal, an int), new keys appended in place (none,
     or as many as the queries), left padding, split count, window, softcap and scale, contiguous
-    and paged alike; the caches afterwards hold exactly the appended keys and values."""
+    and paged alike; the caches afterwards hold exactly the appended keys and values. On the CPU,
+    some examples plan as on a Hopper GPU of a few SMs (its stream, few-tile and busy regimes,
+    page-aligned key blocks, PDL), so that those kernels' paths meet every input class too."""
     draw = data.draw
     heads_kv = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2, 4, 8]))
@@ -402,12 +423,15 @@ def test_any_cache_matches_reference(data):
         v_cache = pages_like(v_cache, k_cache, table)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     k_cache, v_cache = k_cache.to(device), v_cache.to(device)
-    out, lse = flash_attention_with_kvcache(
-        q.to(device), k_cache, v_cache, *((k_new.to(device), v_new.to(device)) if new else ()),
-        cache_seqlens=seqlens if int_length else seqlens.to(device),
-        block_table=None if table is None else table.to(device),
-        cache_leftpad=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
-        causal=causal, num_splits=num_splits, return_lse=True, **options)
+    hopper_sms = draw(st.sampled_from([None, None, 1, 3, 8])) if device == "cpu" else None
+    planned_as = DeviceInfo("probe", 90, hopper_sms, SHARED_MEMORY_PER_BLOCK[90], 0) if hopper_sms else None
+    with planning_as(planned_as):
+        out, lse = flash_attention_with_kvcache(
+            q.to(device), k_cache, v_cache, *((k_new.to(device), v_new.to(device)) if new else ()),
+            cache_seqlens=seqlens if int_length else seqlens.to(device),
+            block_table=None if table is None else table.to(device),
+            cache_leftpad=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
+            causal=causal, num_splits=num_splits, return_lse=True, **options)
     k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
     if table is not None:
         k_cache = k_cache[table.flatten().long()].reshape(batch, capacity, heads_kv, dim)

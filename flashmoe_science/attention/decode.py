@@ -208,7 +208,7 @@ class DecodePlan:
         self.device_index = q.device.index if q.device.type == "cuda" else None
         # The combine kernel as a programmatic dependent launch (griddepcontrol, sm90 on):
         # `_kernels/decode.py`'s docstring.
-        self.pdl = PDL_AVAILABLE and info_for(q).capability >= PDL_MIN_CAPABILITY
+        self.pdl = PDL_AVAILABLE and q.is_cuda and info_for(q).capability >= PDL_MIN_CAPABILITY
         self.combine_options = {"launch_pdl": True} if self.pdl else {}
 
 
