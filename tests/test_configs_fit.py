@@ -163,12 +163,15 @@ def test_paged_decode_follows_the_contiguous_schedule_on_hopper():
     assert decode_schedule(sm90, 2, 128, 4, None, 8, 8192, 16)[0] == DECODE_FEW_TILE
     two_stage = AttentionConfig(16, 64, 4, 2)
     limit = DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES * 132
-    assert decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 16, 10 * limit)
-    assert decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 256, 10 * limit)
-    assert decode_aligned_pages(sm90, two_stage, 16, limit) and not decode_aligned_pages(sm90, two_stage, 16, limit + 1)
-    assert not decode_aligned_pages(sm90, two_stage, 48, 1)  # neither a multiple nor a divisor of 64 keys
-    assert not decode_aligned_pages(sm90, two_stage, 0, 1)  # a contiguous cache
-    assert not decode_aligned_pages(sm80, DECODE_PAGED_BUSY_TILE, 256, 1)
+    assert decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 16, 2, 10 * limit)
+    assert decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 256, 2, 10 * limit)
+    assert decode_aligned_pages(sm90, two_stage, 16, 2, limit)
+    assert not decode_aligned_pages(sm90, two_stage, 16, 2, limit + 1)
+    assert not decode_aligned_pages(sm90, two_stage, 48, 2, 1)  # neither a multiple nor a divisor of 64 keys
+    assert not decode_aligned_pages(sm90, two_stage, 0, 2, 1)  # a contiguous cache
+    assert not decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 256, 1, 1)  # FP8 caches: unmeasured
+    assert not decode_aligned_pages(sm90, DECODE_PAGED_BUSY_TILE, 256, 4, 1)  # fp32
+    assert not decode_aligned_pages(sm80, DECODE_PAGED_BUSY_TILE, 256, 2, 1)
     assert decode_schedule(sm80, 2, 128, 4, None, 512, 4096, 16)[0] != DECODE_PAGED_BUSY_TILE
 
 

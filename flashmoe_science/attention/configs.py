@@ -512,7 +512,8 @@ DECODE_PAGED_WAVES = 3
 # 1.53 / 1.48 -> 1.24 / 1.03. The aligned loads in two stages hold a second K/V buffer: where the
 # grid has more than DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES programs an SM that costs residency (B 32,
 # Hkv 8, two splits of 64 keys, 512 programs: 1.34x against the per-key path's 1.11x), so such
-# calls keep the per-key path. A block over more than DECODE_PAGED_MAX_BLOCK_PAGES pages loads a
+# calls keep the per-key path, as do FP8 caches (unmeasured). A block over more than
+# DECODE_PAGED_MAX_BLOCK_PAGES pages loads a
 # page id per key again: D 64's one-program stream tile (256 keys) in pages of 16 measured 1.22x
 # (B 8, Sk 8k) and 1.24x (B 1, Sk 128k) against 1.07x and 1.11x for DECODE_PAGED_BUSY_TILE at
 # DECODE_PAGED_WAVES, which such calls take. Measured on Hopper only: other GPUs keep the per-key
@@ -640,11 +641,13 @@ def decode_schedule(device: DeviceInfo, element_size: int, block_d: int, rows: i
     return run(tile, decode_splits(device, tiles, capacity, tile.block_n, waves))
 
 
-def decode_aligned_pages(device: DeviceInfo, cfg: AttentionConfig, page_size: int, programs: int) -> bool:
-    """Whether a paged call (pages of `page_size` tokens, no leftpad) with tile `cfg` and a grid of
-    `programs` takes the split kernel's page-aligned key blocks (DECODE_PAGED_BUSY_TILE's note)."""
+def decode_aligned_pages(device: DeviceInfo, cfg: AttentionConfig, page_size: int, cache_element_size: int,
+                         programs: int) -> bool:
+    """Whether a paged call (pages of `page_size` tokens, no leftpad) with tile `cfg`, a cache of
+    `cache_element_size` bytes and a grid of `programs` takes the split kernel's page-aligned key
+    blocks (DECODE_PAGED_BUSY_TILE's note; measured for 16-bit caches only)."""
     fits = page_size > 0 and (page_size % cfg.block_n == 0 or cfg.block_n % page_size == 0)
-    return fits and device.arch_family == 90 and (
+    return fits and device.arch_family == 90 and cache_element_size == 2 and (
         cfg.num_stages >= 3 or programs <= DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES * device.sm_count)
 
 

@@ -204,7 +204,8 @@ class DecodePlan:
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.window = kernel_window(causal, window_size)
         # Key blocks on page bounds, unless leftpad shifts them (`launch_decode`)
-        self.aligned_pages = decode_aligned_pages(info_for(q), cfg, self.page_size, math.prod(self.split_grid))
+        self.aligned_pages = decode_aligned_pages(info_for(q), cfg, self.page_size, k_cache.element_size(),
+                                                  math.prod(self.split_grid))
         self.device_index = q.device.index if q.device.type == "cuda" else None
         # The combine kernel as a programmatic dependent launch (griddepcontrol, sm90 on):
         # `_kernels/decode.py`'s docstring.
