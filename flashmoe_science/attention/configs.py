@@ -500,7 +500,7 @@ DECODE_STREAM_MIN_SPLIT_KEYS = 2048
 DECODE_PAGED_WAVES = 3
 # On Hopper, a key block that starts on a page bound (no leftpad; page size a multiple or a
 # divisor of the block) takes its page ids from the block's first key and loads them a block
-# ahead (the split kernel's ALIGNED_PAGES): the loop's instructions come within 1.2-1.3x the
+# ahead (the split kernel's ALIGNED_PAGES): the loop's instructions come within 1.1-1.3x the
 # contiguous cache's and its K and V loads pipeline as deep. Paged calls then take the contiguous
 # call's stream and few-tile schedules, and where more than two tiles an SM leave those,
 # DECODE_PAGED_BUSY_TILE (128 keys in three stages, one split). Per layer of 32-layer CUDA graphs,
@@ -509,15 +509,14 @@ DECODE_PAGED_WAVES = 3
 # Hkv 8, D 128 1.18 / 1.15 -> 1.06 / 1.02; B 8, Sk 4k 1.19 / 1.17 -> 1.08 / 1.05; B 32, Sk 4k,
 # Hkv 4 1.28 / 1.25 -> 1.11 / 1.01; Hkv 8 1.11 / 1.09 -> 1.02 / 1.01; B 64 1.04 / 1.02 -> 1.10 /
 # 1.01; D 64, B 32 1.36 / 1.32 -> 1.06 / 1.00; B 128, Sk 1k 1.23 / 1.18 -> 1.08 / 1.01; B 1, Sk 128k
-# 1.53 / 1.48 -> 1.24 / 1.03. The aligned loads in two stages hold a second K/V buffer: where the
+# 1.53 / 1.48 -> 1.11 / 1.03. The aligned loads in two stages hold a second K/V buffer: where the
 # grid has more than DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES programs an SM that costs residency (B 32,
 # Hkv 8, two splits of 64 keys, 512 programs: 1.34x against the per-key path's 1.11x), so such
-# calls keep the per-key path, as do FP8 caches (unmeasured). A block over more than
-# DECODE_PAGED_MAX_BLOCK_PAGES pages loads a
-# page id per key again: D 64's one-program stream tile (256 keys) in pages of 16 measured 1.22x
-# (B 8, Sk 8k) and 1.24x (B 1, Sk 128k) against 1.07x and 1.11x for DECODE_PAGED_BUSY_TILE at
-# DECODE_PAGED_WAVES, which such calls take. Measured on Hopper only: other GPUs keep the per-key
-# path.
+# calls keep the per-key path, as do FP8 and fp32 caches (unmeasured). A block over more than
+# DECODE_PAGED_MAX_BLOCK_PAGES pages loads a page id per key again: D 64's one-program stream tile
+# (256 keys) in pages of 16 measured 1.22x (B 8, Sk 8k) and 1.24x (B 1, Sk 128k) against 1.07x and
+# 1.11x for DECODE_PAGED_BUSY_TILE at DECODE_PAGED_WAVES, which such calls take. Measured on Hopper
+# only: other GPUs keep the per-key path.
 DECODE_PAGED_BUSY_TILE = AttentionConfig(16, 128, 4, 3)
 DECODE_PAGED_MAX_BLOCK_PAGES = 8
 DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES = 3
