@@ -28,7 +28,8 @@ with a descale of its own per token and head (its largest magnitude to e4m3's 44
 beside it.
 
 A paged cache (PAGE_SIZE > 0) holds a sequence's key t in page `block_table[b, t // PAGE_SIZE]`,
-slot t % PAGE_SIZE; each key's page is looked up as its block loads. Keys past a sequence's length
+slot t % PAGE_SIZE; each key's page is looked up as its block loads, or, where key blocks fall on
+page bounds (ALIGNED_PAGES), each block's pages a block ahead. Keys past a sequence's length
 load as zeros (the cache beyond it may hold anything). A cache length out of [0, max_seqlen_k -
 new tokens] or a visible key's page id out of [0, num_pages) is malformed input that no host
 check saw (they are device values): such a sequence's outputs and lse become NaN, and nothing is
