@@ -96,6 +96,9 @@ def _decode_builds(capability: int):
                    if element_size == 2]
     for element_size, block_d, cfg, variants in builds:
         for paged, softcap, scales in variants:
+            # page-aligned key blocks where the dispatcher takes them (`configs.decode_aligned_pages`:
+            # Hopper, 16-bit caches), the per-key path elsewhere
+            aligned_pages = paged and capability == 90 and element_size == 2 and not scales
             cache = "*fp8e4nv" if scales else ptr[element_size]
             sig = {name: "i32" for name in attention_decode_split_kernel.arg_names}
             sig.update(Q=ptr[element_size], K=cache, V=cache, O_PART="*fp32",
@@ -104,7 +107,7 @@ def _decode_builds(capability: int):
                        softcap_log2="fp32")
             constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               PAGE_SIZE=16 if paged else 0, SOFTCAP=softcap, LENGTHS_TENSOR=paged, SINGLE=paged,
-                              WRITE_LSE=paged, SCALES=scales, PDL=pdl, ALIGNED_PAGES=paged)
+                              WRITE_LSE=paged, SCALES=scales, PDL=pdl, ALIGNED_PAGES=aligned_pages)
             sig.update({name: "constexpr" for name in constexprs})
             cache_label = f" fp8 cache scales={scales}" if scales else ""
             yield KernelBuild(label=f"attention_decode_split fp{8 * element_size}{cache_label} D={block_d} "
