@@ -190,7 +190,8 @@ class DecodePlan:
         self.block_d = head_dim_block(head_dim)
         self.capacity = _capacity(k_cache, block_table)
         self.page_size = k_cache.shape[1] if block_table is not None else 0
-        cfg, splits = decode_schedule(info_for(q), q.element_size(), self.block_d, self.rows, k_cache.element_size(),
+        device = info_for(q)
+        cfg, splits = decode_schedule(device, q.element_size(), self.block_d, self.rows, k_cache.element_size(),
                                       batch * heads_kv, self.capacity, self.page_size, config)
         self.config = cfg
         self.block_m = cfg.block_m
@@ -204,12 +205,12 @@ class DecodePlan:
         self.default_scale = 1.0 / math.sqrt(head_dim)
         self.window = kernel_window(causal, window_size)
         # Key blocks on page bounds, unless leftpad shifts them (`launch_decode`)
-        self.aligned_pages = decode_aligned_pages(info_for(q), cfg, self.page_size, k_cache.element_size(),
+        self.aligned_pages = decode_aligned_pages(device, cfg, self.page_size, k_cache.element_size(),
                                                   math.prod(self.split_grid))
         self.device_index = q.device.index if q.device.type == "cuda" else None
         # The combine kernel as a programmatic dependent launch (griddepcontrol, sm90 on):
         # `_kernels/decode.py`'s docstring.
-        self.pdl = PDL_AVAILABLE and q.is_cuda and info_for(q).capability >= PDL_MIN_CAPABILITY
+        self.pdl = PDL_AVAILABLE and q.is_cuda and device.capability >= PDL_MIN_CAPABILITY
         self.combine_options = {"launch_pdl": True} if self.pdl else {}
 
 
