@@ -78,6 +78,8 @@ def is_int(x) -> bool:
 
 def check_band(window_size, softcap) -> tuple[int, int]:
     """Checks the sliding window and the softcap; returns window_size as a tuple of two ints."""
+    if window_size is NO_WINDOW and softcap.__class__ is float and softcap == 0.0:  # the defaults
+        return NO_WINDOW
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(is_int(w) or isinstance(w, torch.SymInt) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")

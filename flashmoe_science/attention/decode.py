@@ -271,10 +271,13 @@ def launch_decode(plan: DecodePlan, key, q, k_cache, v_cache, out, lse, cache_se
     single = plan.num_splits == 1
     write_lse = lse is not None
     # One split: the split kernel writes out and lse itself, and the workspace is a placeholder.
-    o_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded, plan.block_d) if not single else (1,),
-                         dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded) if not single else (1,),
-                           dtype=torch.float32, device=q.device)
+    if single:
+        o_part = lse_part = torch.empty((1,), dtype=torch.float32, device=q.device)
+    else:
+        o_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded, plan.block_d), dtype=torch.float32,
+                             device=q.device)
+        lse_part = torch.empty((plan.num_splits, batch * heads_kv, plan.rows_padded), dtype=torch.float32,
+                               device=q.device)
     lengths, cache_len, lengths_tensor = _lengths(cache_seqlens, lse_part)
     table = block_table if block_table is not None else lse_part
     has_leftpad = int(cache_leftpad is not None)
