@@ -18,8 +18,8 @@ from ..device import PDL_MIN_CAPABILITY
 from ..float8 import FP8_MIN_CAPABILITY
 from ..kernel_build import KernelBuild
 from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, GLUON_FP8_FORWARD, HOPPER_FORWARD, PREPROCESS_WARPS,
-                      VALUE_HEAD_DIM_BLOCKS, BackwardConfig, backward_configs, decode_configs, dkdv_maxnreg,
-                      forward_configs, gluon_forward_configs, gluon_forward_tiles, gluon_separate_output,
+                      VALUE_HEAD_DIM_BLOCKS, BackwardConfig, backward_configs, decode_aligns_pages, decode_configs,
+                      dkdv_maxnreg, forward_configs, gluon_forward_configs, gluon_forward_tiles, gluon_separate_output,
                       preprocess_block_m)
 
 
@@ -96,9 +96,8 @@ def _decode_builds(capability: int):
                    if element_size == 2]
     for element_size, block_d, cfg, variants in builds:
         for paged, softcap, scales in variants:
-            # page-aligned key blocks where the dispatcher takes them (`configs.decode_aligned_pages`:
-            # Hopper, 16-bit caches), the per-key path elsewhere
-            aligned_pages = paged and capability == 90 and element_size == 2 and not scales
+            # page-aligned key blocks where the dispatcher may take them, the per-key path elsewhere
+            aligned_pages = paged and decode_aligns_pages(capability, 1 if scales else element_size)
             cache = "*fp8e4nv" if scales else ptr[element_size]
             sig = {name: "i32" for name in attention_decode_split_kernel.arg_names}
             sig.update(Q=ptr[element_size], K=cache, V=cache, O_PART="*fp32",

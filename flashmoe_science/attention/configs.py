@@ -646,8 +646,14 @@ def decode_aligned_pages(device: DeviceInfo, cfg: AttentionConfig, page_size: in
     `cache_element_size` bytes and a grid of `programs` takes the split kernel's page-aligned key
     blocks (DECODE_PAGED_BUSY_TILE's note; measured for 16-bit caches only)."""
     fits = page_size > 0 and (page_size % cfg.block_n == 0 or cfg.block_n % page_size == 0)
-    return fits and device.arch_family == 90 and cache_element_size == 2 and (
+    return fits and decode_aligns_pages(device.arch_family, cache_element_size) and (
         cfg.num_stages >= 3 or programs <= DECODE_ALIGNED_PAGES_TWO_STAGE_WAVES * device.sm_count)
+
+
+def decode_aligns_pages(arch_family: int, cache_element_size: int) -> bool:
+    """Whether GPUs of `arch_family` may take page-aligned key blocks for caches of
+    `cache_element_size` bytes (where they were measured: Hopper, 16-bit caches)."""
+    return arch_family == 90 and cache_element_size == 2
 
 
 def decode_stream_tile(tiles_per_sm: int, block_d: int) -> AttentionConfig:

@@ -155,22 +155,22 @@ def attention_decode_split_kernel(
     bad_page = tl.zeros([BLOCK_N], dtype=tl.int32)
     kv_head_k = h_kv.to(tl.int64) * stride_kh
     kv_head_v = h_kv.to(tl.int64) * stride_vh
+    table_row = BLOCK_TABLE + b64 * stride_tb  # sequence b's page ids (paged caches)
     if ALIGNED_PAGES:  # page ids a block ahead of their keys, so that both pipeline
-        next_page = _block_pages(BLOCK_TABLE + b64 * stride_tb, lo, seqlen_abs, offs_n, PAGE_SIZE, BLOCK_N)
+        next_page = _block_pages(table_row, lo, seqlen_abs, offs_n, PAGE_SIZE, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         keys = (leftpad + start_n) + offs_n  # cache positions
         key_ok = keys < seqlen_abs
         if PAGE_SIZE > 0:
             if ALIGNED_PAGES:
                 page = next_page
-                next_page = _block_pages(BLOCK_TABLE + b64 * stride_tb, start_n + BLOCK_N, seqlen_abs, offs_n,
-                                         PAGE_SIZE, BLOCK_N)
+                next_page = _block_pages(table_row, start_n + BLOCK_N, seqlen_abs, offs_n, PAGE_SIZE, BLOCK_N)
                 if PAGE_SIZE >= BLOCK_N:
                     slot = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
                 else:
                     slot = (offs_n % PAGE_SIZE).to(tl.int64)
             else:
-                page = tl.load(BLOCK_TABLE + b64 * stride_tb + keys // PAGE_SIZE, mask=key_ok, other=0)
+                page = tl.load(table_row + keys // PAGE_SIZE, mask=key_ok, other=0)
                 slot = (keys % PAGE_SIZE).to(tl.int64)
             page_ok = (page >= 0) & (page < num_pages)
             bad_page = tl.maximum(bad_page, (key_ok & ~page_ok).to(tl.int32))
