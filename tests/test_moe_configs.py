@@ -54,6 +54,24 @@ def test_dispatcher_only_picks_shipped_configs(capability):
                     assert (element_size, cfg) in shipped
 
 
+def test_fp8_dispatch_takes_the_gluon_gemms_only_where_they_can_run(monkeypatch):
+    """Hopper past 64 pairs an expert: the Gluon entry, unless the weights are not
+    TMA-addressable or kernels run in the interpreter (then the Triton prefill entry); every pick
+    is a shipped config."""
+    hopper = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
+    monkeypatch.setattr(configs, "interpreter_active", lambda: False)
+    for T, k, E, gluon in ((1, 8, 128, False), (1024, 8, 128, False), (1040, 8, 128, True), (16384, 2, 8, True)):
+        assert configs.fp8_config(hopper, T, k, E).gluon == gluon, (T, k, E)
+        assert not configs.fp8_config(hopper, T, k, E, tma_weights=False).gluon
+        for tma in (True, False):
+            assert configs.fp8_config(hopper, T, k, E, tma) in set(configs.fp8_configs(90))
+    monkeypatch.setattr(configs, "interpreter_active", lambda: True)
+    assert configs.fp8_config(hopper, 16384, 2, 8) == configs.FP8_TRITON_FALLBACK[90]
+    ada = DeviceInfo("probe", 89, 128, SHARED_MEMORY_PER_BLOCK[89], 0)
+    assert not any(cfg.gluon for cfg in configs.fp8_configs(89))
+    assert not configs.fp8_config(ada, 16384, 2, 8).gluon
+
+
 # Arguments that are 1 at run time in one layout or another (Triton specialises them as constants).
 UNIT_STRIDES = {"stride_wk", "stride_wn", "stride_wi", "stride_wh", "stride_om", "stride_on"}
 

@@ -9,8 +9,9 @@ from itertools import product
 
 from ..kernel_build import KernelBuild
 from .configs import (_TRITON_DTYPES, ACTIVATIONS, COMBINE_BLOCK_H, COMBINE_BLOCK_T, COMBINE_STAGES, COMBINE_WARPS,
-                      COUNT_TILE, DISPATCH_ROWS, DISPATCH_STAGES, DISPATCH_WARPS, FP8_GROUP, FP8_QUANTIZE_ROWS,
-                      GATHER_ROWS_TILE, GATHER_ROWS_WARPS, MAX_EXPERTS, MAX_TOP_K, ROUTE_EXPERT_PADS, SORT_PAIRS,
+                      COUNT_TILE, DISPATCH_ROWS, DISPATCH_STAGES, DISPATCH_WARPS, FP8_GATHER_ROWS, FP8_GROUP,
+                      FP8_QUANTIZE_ROWS, GATHER_ROWS_TILE, GATHER_ROWS_WARPS, MAX_EXPERTS, MAX_TOP_K, ROUTE_EXPERT_PADS,
+                      SORT_PAIRS,
                       backward_configs, experts_configs, fp8_configs, route_expert_pad, route_rows, route_warps)
 
 
@@ -166,6 +167,9 @@ def _builds(capability: int):
     from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, quantize_groups_kernel
 
     for cfg in fp8_configs(capability):  # FP8 weights (fp8.py): sm89 and newer
+        if cfg.gluon:
+            yield from _fp8_gluon_builds(cfg)
+            continue
         scales = dict(w1s_ptr="*fp32", hs_ptr="*fp32")
         for activation, block_scales in product(ACTIVATIONS, (True, False)):
             yield build(f"moe_fp8_gate_up {activation} block_scales={block_scales} {cfg}", gate_up_fp8_kernel,
@@ -211,3 +215,45 @@ def _builds(capability: int):
                     dict(rows_ptr=f"*{dtype}", index_ptr="*i64", out_ptr=f"*{dtype}"),
                     dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,
                     aligned=("H",))
+
+
+def _fp8_gluon_builds(cfg):
+    """The Gluon FP8 GEMMs of `cfg` (sm90) and the copy of the quantised tokens into layout order
+    they read: the shared-memory layouts of their descriptors are part of their signatures."""
+    from triton.experimental.gluon import language as gl
+
+    from ._kernels.fp8 import gather_rows_kernel
+    from ._kernels.fp8_gluon import H_GROUP, TILE_M, down_fp8_gluon_kernel, gate_up_fp8_gluon_kernel
+
+    def descriptor(rows, cols):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
+        return f"tensordesc<fp8e4nv[{rows},{cols}],{layout!r}>"
+
+    scales = f"tensordesc<fp32[1,{TILE_M.value}],{gl.NVMMASharedLayout(0, 32, 2)!r}>"
+    group, h_group = FP8_GROUP, H_GROUP.value
+
+    def gluon_build(label, fn, pointers, constexprs):
+        signature = {name: "i32" for name in fn.arg_names}
+        signature.update(pointers)
+        signature.update({name: "constexpr" for name in constexprs})
+        return KernelBuild(f"{label} {cfg}", fn, signature, constexprs, 4, 1)
+
+    for activation, block_scales in product(ACTIVATIONS, (True, False)):
+        yield gluon_build(f"moe_fp8_gate_up_gluon {activation} block_scales={block_scales}", gate_up_fp8_gluon_kernel,
+                          dict(desc_x=descriptor(TILE_M.value, group), desc_w1=descriptor(h_group, group),
+                               desc_xs=scales, w1s_ptr="*fp32", hq_ptr="*fp8e4nv", hs_t_ptr="*fp32",
+                               block_expert_ptr="*i32"),
+                          dict(ACTIVATION=activation, BLOCK_SCALES=block_scales, GROUP_M=cfg.group_m,
+                               NUM_STAGES=cfg.num_stages))
+    for dtype, block_scales in product(("fp16", "bf16"), (True, False)):
+        yield gluon_build(f"moe_fp8_down_gluon {dtype} block_scales={block_scales}", down_fp8_gluon_kernel,
+                          dict(desc_h=descriptor(TILE_M.value, h_group), desc_w2=descriptor(h_group, h_group),
+                               desc_hs=scales, w2s_ptr="*fp32", y_ptr=f"*{dtype}", weights_ptr="*fp32",
+                               sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32"),
+                          dict(BLOCK_SCALES=block_scales, GROUP_M=cfg.group_m, NUM_STAGES=2 * cfg.num_stages))
+    signature = {name: "i32" for name in gather_rows_kernel.arg_names}
+    constexprs = dict(BLOCK_M=TILE_M.value, BLOCK_T=FP8_GATHER_ROWS, GROUP=group)
+    signature.update(xq_ptr="*u8", xs_ptr="*fp32", sorted_pairs_ptr="*i32", block_rows_ptr="*i32", q_ptr="*u8",
+                     s_t_ptr="*fp32", **{name: "constexpr" for name in constexprs})
+    yield KernelBuild("moe_fp8_gather_rows", gather_rows_kernel, signature, constexprs, 4, 1,
+                      aligned=("xq_ptr", "q_ptr", "H"))

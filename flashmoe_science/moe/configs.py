@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..device import SHARED_MEMORY_PER_BLOCK, DeviceInfo
+from ..device import SHARED_MEMORY_PER_BLOCK, DeviceInfo, interpreter_active
 
 
 @dataclass(frozen=True)
@@ -314,8 +314,14 @@ class FP8Config:
     down_warps: int
     num_stages: int
     down_block_n: int = 128
+    # The Gluon kernels (`_kernels/fp8_gluon.py`, sm90): block_m 128 (two 64-row consumers), the
+    # warps and block_n fixed there; num_stages is the gate/up's, and the down's steps, half as
+    # deep, get twice as many (the same bytes in flight).
+    gluon: bool = False
 
     def __str__(self) -> str:
+        if self.gluon:
+            return f"gluon BLOCK_M={self.block_m} GROUP_M={self.group_m} stages={self.num_stages}"
         return (f"BLOCK_M={self.block_m} GROUP_M={self.group_m} warps={self.gate_up_warps}/{self.down_warps} "
                 f"stages={self.num_stages} down BLOCK_N={self.down_block_n}")
 
@@ -335,12 +341,24 @@ class FP8Config:
 # tiles, in CUDA graphs on an H100 for Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V2-Lite
 # (Mixtral T = 1: 182.5 -> 166.3 us), with the same bits; the sweep tried down tiles of
 # 32, 64 and 128 columns, 3, 4 and 6 stages, 4 and 8 warps.
-_FP8_LARGE = ((8, FP8Config(16, 1, 8, 4, 4, 64)), (32, FP8Config(32, 1, 8, 4, 3)), (None, FP8Config(64, 8, 8, 4, 4)))
+_FP8_DECODE = FP8Config(16, 1, 8, 4, 4, 64)
+_FP8_PREFILL = FP8Config(64, 8, 8, 4, 4)
+_FP8_LARGE = ((8, _FP8_DECODE), (32, FP8Config(32, 1, 8, 4, 3)), (None, _FP8_PREFILL))
 _FP8_SMALL = ((8, FP8Config(16, 1, 4, 4, 3)), _FP8_LARGE[1], (None, FP8Config(64, 8, 8, 4, 3)))
+# Hopper past 64 pairs an expert: the Gluon kernels (`_kernels/fp8_gluon.py`), which scale each
+# step's product while the next one runs. Against the Triton entry, whole layer on an H200
+# (block scales; out/exp-style A/B, the figures in benchmarks/results/moe_fp8_gluon_ab.json):
+# Qwen3-30B-A3B 0.96x at 64 pairs an expert (T = 1024, kept on Triton), 1.00x at 128, 1.09-1.10x
+# at 256-1024; DeepSeek-V2-Lite 1.07-1.20x from 96; Mixtral-8x7B 1.08-1.19x from 256. Where the
+# weights are not TMA-addressable the Triton prefill entry serves instead.
+FP8_GLUON_PREFILL = FP8Config(128, 8, 4, 4, 5, gluon=True)
+_FP8_HOPPER = _FP8_LARGE[:-1] + ((64, _FP8_PREFILL), (None, FP8_GLUON_PREFILL))
 # sm80 runs no FP8 on the GPU (the launcher refuses it); its entry serves Triton's interpreter.
-FP8 = {90: _FP8_LARGE, 89: _FP8_SMALL, 80: _FP8_LARGE}
+FP8 = {90: _FP8_HOPPER, 89: _FP8_SMALL, 80: _FP8_LARGE}
+FP8_TRITON_FALLBACK = {90: _FP8_PREFILL}
 FP8_GROUP = 128  # FP8 scale groups: activations per row and 128 columns, weights per 128 x 128 block
 FP8_QUANTIZE_ROWS = 16  # token rows a program quantises (one group each)
+FP8_GATHER_ROWS = 32  # layout rows a program gathers and quantises (every group), for the Gluon GEMMs
 
 
 def family_of(capability: int) -> int:
@@ -409,15 +427,23 @@ def backward_configs(capability: int):
                 yield element_size, block_m, cfg
 
 
-def fp8_config(device: DeviceInfo, num_tokens: int, top_k: int, num_experts: int) -> FP8Config:
-    """The FP8 tiling for a call on `device`, by its load (pairs per expert)."""
+def fp8_config(device: DeviceInfo, num_tokens: int, top_k: int, num_experts: int,
+               tma_weights: bool = True) -> FP8Config:
+    """The FP8 tiling for a call on `device`, by its load (pairs per expert); a Gluon entry only
+    where the weights are TMA-addressable (`tma_weights`: contiguous, 16-byte aligned) and
+    kernels run on the GPU."""
     table = FP8[device.arch_family]
     bound = load_bound(table, num_tokens, top_k, num_experts)
-    return next(cfg for b, cfg in table if b == bound)
+    cfg = next(cfg for b, cfg in table if b == bound)
+    if cfg.gluon and not (tma_weights and not interpreter_active()):
+        return FP8_TRITON_FALLBACK[device.arch_family]
+    return cfg
 
 
 def fp8_configs(capability: int):
     """Every FP8 config the dispatcher can pick on `capability` (none below sm89)."""
     if capability < 89:
         return
-    yield from dict.fromkeys(cfg for _, cfg in FP8[family_of(capability)])
+    family = family_of(capability)
+    yield from dict.fromkeys([cfg for _, cfg in FP8[family]] + ([FP8_TRITON_FALLBACK[family]]
+                                                                 if family in FP8_TRITON_FALLBACK else []))

@@ -445,7 +445,7 @@ def _fp8_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_sca
     if plan is None:
         fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
         _check_routing_tensors(hidden_states, topk_weights, topk_ids, w1.shape[0])
-        plan = fp8.new_plan(key, hidden_states, w1, topk_ids.shape[1], block_shape)
+        plan = fp8.new_plan(key, hidden_states, w1, w2, topk_ids.shape[1], block_shape)
     return _run_fp8(plan, hidden_states, w1, w2, w1_scale, w2_scale, activation,
                     lambda: _fp8_routing_from_ids(plan, topk_weights, topk_ids))
 
@@ -483,7 +483,7 @@ def _fp8_moe(hidden_states, w1, w2, router_logits, top_k, renormalize, activatio
     if plan is None:
         fp8.check_fp8_args(hidden_states, w1, w2, w1_scale, w2_scale, block_shape, activation)
         _check_router_args(hidden_states, router_logits, top_k, w1.shape[0], renormalize, scoring)
-        plan = fp8.new_plan(key, hidden_states, w1, top_k, block_shape)
+        plan = fp8.new_plan(key, hidden_states, w1, w2, top_k, block_shape)
     else:  # as `fused_moe`'s cached path: the key compares top_k=2.0 equal to 2
         routing.check_top_k(top_k, plan.num_experts)
         routing.check_routing_options(renormalize, scoring)

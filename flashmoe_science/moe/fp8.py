@@ -18,8 +18,11 @@ from ..device import info_for
 from ..float8 import FP8_DTYPE, FP8_MAX, check_fp8_device
 from ..launch import KernelLauncher, PlanCache
 from ..tensor_facts import TensorFacts
+from ..tma import addressable, unchecked_descriptor
 from . import configs, routing
-from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, quantize_groups_kernel
+from ._kernels.fp8 import down_fp8_kernel, gate_up_fp8_kernel, gather_rows_kernel, quantize_groups_kernel
+from ._kernels import fp8_gluon
+from ._kernels.fp8_gluon import down_fp8_gluon_kernel, gate_up_fp8_gluon_kernel
 
 GROUP = configs.FP8_GROUP
 _MIN_SCALE = 1e-12
@@ -27,6 +30,9 @@ _MIN_SCALE = 1e-12
 _QUANTIZE = KernelLauncher("moe_fp8_quantize", quantize_groups_kernel)
 _GATE_UP = KernelLauncher("moe_fp8_gate_up", gate_up_fp8_kernel)
 _DOWN = KernelLauncher("moe_fp8_down", down_fp8_kernel)
+_GATHER_ROWS = KernelLauncher("moe_fp8_gather_rows", gather_rows_kernel)
+_GATE_UP_GLUON = KernelLauncher("moe_fp8_gate_up_gluon", gate_up_fp8_gluon_kernel)
+_DOWN_GLUON = KernelLauncher("moe_fp8_down_gluon", down_fp8_gluon_kernel)
 PLANS = PlanCache()  # checked calls' plans, by the call's key (experts._fp8_experts)
 
 
@@ -142,20 +148,23 @@ class _FP8Plan:
     __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "config", "dispatch", "block_scales",
                  "device_index", "launch_key")
 
-    def __init__(self, key, hidden_states, w1, top_k, block_shape):
+    def __init__(self, key, hidden_states, w1, w2, top_k, block_shape):
         T, H = hidden_states.shape
         E, two_i, _ = w1.shape
         self.num_tokens, self.hidden, self.inter, self.num_experts, self.top_k = T, H, two_i // 2, E, top_k
-        self.config = configs.fp8_config(info_for(hidden_states), T, top_k, E)
+        # The Gluon kernels view the weights as (E * N, K) TMA tensors (the key holds their strides
+        # and alignment).
+        tma_weights = w1.is_contiguous() and w2.is_contiguous() and addressable(w1, w2)
+        self.config = configs.fp8_config(info_for(hidden_states), T, top_k, E, tma_weights)
         self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device)
         self.block_scales = block_shape is not None
         self.device_index = self.dispatch.device_index
         self.launch_key = (key, self.config)
 
 
-def new_plan(key, hidden_states, w1, top_k: int, block_shape) -> _FP8Plan:
+def new_plan(key, hidden_states, w1, w2, top_k: int, block_shape) -> _FP8Plan:
     """The plan of a call whose arguments passed `check_fp8_args`, cached under `key`."""
-    return PLANS.remember(key, _FP8Plan(key, hidden_states, w1, top_k, block_shape))
+    return PLANS.remember(key, _FP8Plan(key, hidden_states, w1, w2, top_k, block_shape))
 
 
 def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights, topk_ids, layout, activation):
@@ -166,11 +175,12 @@ def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights,
     cfg, key, device = plan.config, plan.launch_key, x.device
     T, H, I = plan.num_tokens, plan.hidden, plan.inter
     w1_scale, w2_scale = (s.reshape(s.shape[0], -1) if not plan.block_scales else s for s in (w1_scale, w2_scale))
-    xq = routing.allocate((T, H), FP8_DTYPE, device)
-    xs = routing.allocate((T, H // GROUP), torch.float32, device)
-    _QUANTIZE.launch(key, (-(-T // configs.FP8_QUANTIZE_ROWS), H // GROUP, 1),
-                     (x, xq, xs, T, H, x.stride(0), configs.FP8_QUANTIZE_ROWS, GROUP),
-                     num_warps=4, num_stages=1, device_index=plan.device_index)
+    if cfg.gluon:
+        y = _gluon_gemms(plan, x, w1, w2, w1_scale, w2_scale, topk_weights, layout, activation)
+        out = routing.allocate((T, H), x.dtype, device)
+        launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index)
+        return out
+    xq, xs = _quantized_tokens(plan, x)
     rows = layout.num_blocks * layout.block_m
     hq = routing.allocate((rows, I), FP8_DTYPE, device)
     hs = routing.allocate((rows, I // GROUP), torch.float32, device)
@@ -190,3 +200,60 @@ def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights,
     out = routing.allocate((T, H), x.dtype, device)
     launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index)
     return out
+
+
+def _quantized_tokens(plan: _FP8Plan, x):
+    """(xq (T, H) FP8, xs (T, H / 128) fp32): the tokens per row and group of 128 columns."""
+    T, H = plan.num_tokens, plan.hidden
+    xq = routing.allocate((T, H), FP8_DTYPE, x.device)
+    xs = routing.allocate((T, H // GROUP), torch.float32, x.device)
+    _QUANTIZE.launch(plan.launch_key, (-(-T // configs.FP8_QUANTIZE_ROWS), H // GROUP, 1),
+                     (x, xq, xs, T, H, x.stride(0), configs.FP8_QUANTIZE_ROWS, GROUP),
+                     num_warps=4, num_stages=1, device_index=plan.device_index)
+    return xq, xs
+
+
+def _gluon_gemms(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights, layout, activation):
+    """The tokens quantised in layout order, then the Gluon gate/up and down GEMMs
+    (`_kernels/fp8_gluon.py`, sm90): y (T * top_k, H), each pair's row at its slot."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def describe(t, rows, cols):
+        if t.dtype == torch.float32:  # scales: read as they are, unswizzled
+            layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        else:
+            layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
+        return unchecked_descriptor(TensorDescriptor, t, list(t.shape), list(t.stride()), [rows, cols], layout)
+
+    cfg, key, device = plan.config, plan.launch_key, x.device
+    T, H, I, E = plan.num_tokens, plan.hidden, plan.inter, plan.num_experts
+    TILE_M, H_GROUP = fp8_gluon.TILE_M.value, fp8_gluon.H_GROUP.value
+    xq, xs = _quantized_tokens(plan, x)
+    rows = layout.num_blocks * TILE_M
+    xq_rows = routing.allocate((rows, H), FP8_DTYPE, device)
+    xs_t = routing.allocate((H // GROUP, rows), torch.float32, device)
+    _GATHER_ROWS.launch(
+        key, (rows // configs.FP8_GATHER_ROWS, 1, 1),
+        (xq.view(torch.uint8), xs, layout.sorted_pairs, layout.block_rows, xq_rows.view(torch.uint8), xs_t, rows, H,
+         plan.top_k, TILE_M, configs.FP8_GATHER_ROWS, GROUP),
+        num_warps=4, num_stages=1, device_index=plan.device_index)
+    hq = routing.allocate((rows, I), FP8_DTYPE, device)
+    hs_t = routing.allocate((I // H_GROUP, rows), torch.float32, device)
+    sms = info_for(x).sm_count  # persistent kernels: at most one program an SM
+    _GATE_UP_GLUON.launch(
+        key, (min(layout.num_blocks * (I // H_GROUP), sms), 1, 1),
+        (describe(xq_rows, TILE_M, GROUP), describe(w1.view(E * 2 * I, H), H_GROUP, GROUP), describe(xs_t, 1, TILE_M),
+         w1_scale, hq, hs_t,
+         layout.block_expert, layout.num_blocks, rows, H, I, w1_scale.stride(0), w1_scale.stride(1),
+         activation, plan.block_scales, cfg.group_m, cfg.num_stages),
+        num_warps=4, num_stages=1, device_index=plan.device_index)
+    y = routing.allocate((T * plan.top_k, H), x.dtype, device)
+    _DOWN_GLUON.launch(
+        key, (min(layout.num_blocks * (H // 128), sms), 1, 1),
+        (describe(hq, TILE_M, H_GROUP), describe(w2.view(E * H, I), H_GROUP, H_GROUP), describe(hs_t, 1, TILE_M),
+         w2_scale, y,
+         topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks, rows, H, I,
+         w2_scale.stride(0), w2_scale.stride(1), plan.block_scales, cfg.group_m, 2 * cfg.num_stages),
+        num_warps=4, num_stages=1, device_index=plan.device_index)
+    return y

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused MoE forward and backward. Private: the public modules one level
+"""Triton (and, for Hopper's FP8 prefill, Gluon) kernels of the fused MoE forward and backward. Private: the public modules one level
 up hold the contract (argument checks, allocation, configuration, launch); these files hold the
 algorithm.
 
@@ -6,8 +6,10 @@ algorithm.
 - `dispatch.py`: top-k routing and the block-aligned, expert-sorted layout of token-expert pairs.
 - `grouped_gemm.py`: the two expert GEMMs over that layout (gate/up with the gated activation,
   then down with the routing weight).
-- `fp8.py`: the same two GEMMs with FP8 (e4m3) operands and fp32 scales, and the per-row,
-  128-column quantisation of the tokens (inference).
+- `fp8.py`: the same two GEMMs with FP8 (e4m3) operands and fp32 scales, the per-row,
+  128-column quantisation of the tokens (inference), and their copy into layout order.
+- `fp8_gluon.py`: the FP8 GEMMs for Hopper prefill in Gluon (warp-specialised, persistent, each
+  step's product scaled while the next one runs), reading that copy.
 - `combine.py`: the deterministic sum of each token's k weighted expert outputs (and, in the
   backward, of each token's k input gradients); `gather_sum_kernel`, the same sum over rows an
   index names (expert parallelism's rows that come back from the experts' ranks).

@@ -146,3 +146,23 @@ def down_fp8_kernel(
     y = acc * route_weight[:, None]
     tl.store(y_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def gather_rows_kernel(xq_ptr, xs_ptr, sorted_pairs_ptr, block_rows_ptr, q_ptr, s_t_ptr, rows_total, H, top_k,
+                       BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+    """The quantised tokens (`quantize_groups_kernel`'s xq (T, H) bytes and xs (T, H / GROUP))
+    copied into layout order, for GEMMs that read A as dense tiles: row r of q (rows_total, H)
+    is xq[sorted_pairs[r] // top_k], its scales go to s_t (H / GROUP, rows_total) fp32
+    (transposed: one group's scales of consecutive rows are adjacent); padding rows (past their
+    block's block_rows of the BLOCK_M-row layout blocks) are zeros. A program copies BLOCK_T rows."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, GROUP)
+    row_ok = rows % BLOCK_M < tl.load(block_rows_ptr + rows // BLOCK_M)
+    tokens = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0) // top_k
+    x_ptrs = xq_ptr + wide_offset(tokens, H)[:, None] + cols[None, :]
+    q_ptrs = q_ptr + wide_offset(rows, H)[:, None] + cols[None, :]
+    for g in range(0, H // GROUP):
+        tl.store(q_ptrs + g * GROUP, tl.load(x_ptrs + g * GROUP, mask=row_ok[:, None], other=0))
+        # H / GROUP * rows_total < 2^31 for any buffer of rows_total x H bytes below 256 GB
+        tl.store(s_t_ptr + g * rows_total + rows, tl.load(xs_ptr + tokens * (H // GROUP) + g, mask=row_ok, other=0.0))
