@@ -55,14 +55,14 @@ def test_dispatcher_only_picks_shipped_configs(capability):
 
 
 def test_fp8_dispatch_takes_the_gluon_gemms_only_where_they_can_run(monkeypatch):
-    """Hopper past 64 pairs an expert: the Gluon entry, unless the weights are not
+    """Hopper past 128 pairs an expert: the Gluon entry, unless the weights are not
     TMA-addressable or kernels run in the interpreter (then the Triton prefill entry); every pick
     is a shipped config."""
     hopper = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
     monkeypatch.setattr(configs, "interpreter_active", lambda: False)
-    for T, k, E, gluon in ((1, 8, 128, False), (1024, 8, 128, False), (1040, 8, 128, True), (16384, 2, 8, True)):
+    for T, k, E, gluon in ((1, 8, 128, False), (2048, 8, 128, False), (2064, 8, 128, True), (16384, 2, 8, True)):
         assert configs.fp8_config(hopper, T, k, E).gluon == gluon, (T, k, E)
-        assert not configs.fp8_config(hopper, T, k, E, tma_weights=False).gluon
+        assert not configs.fp8_config(hopper, T, k, E, gluon_ok=False).gluon
         for tma in (True, False):
             assert configs.fp8_config(hopper, T, k, E, tma) in set(configs.fp8_configs(90))
     monkeypatch.setattr(configs, "interpreter_active", lambda: True)

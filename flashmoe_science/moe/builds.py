@@ -223,14 +223,15 @@ def _fp8_gluon_builds(cfg):
     from triton.experimental.gluon import language as gl
 
     from ._kernels.fp8 import gather_rows_kernel
-    from ._kernels.fp8_gluon import H_GROUP, TILE_M, down_fp8_gluon_kernel, gate_up_fp8_gluon_kernel
+    from ._kernels.fp8_gluon import HALF, TILE_M, down_fp8_gluon_kernel, gate_up_fp8_gluon_kernel
 
     def descriptor(rows, cols):
         layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
         return f"tensordesc<fp8e4nv[{rows},{cols}],{layout!r}>"
 
-    scales = f"tensordesc<fp32[1,{TILE_M.value}],{gl.NVMMASharedLayout(0, 32, 2)!r}>"
-    group, h_group = FP8_GROUP, H_GROUP.value
+    rows = TILE_M.value
+    scales = f"tensordesc<fp32[1,{rows}],{gl.NVMMASharedLayout(0, 32, 2)!r}>"
+    tiles = dict(desc_w=descriptor(HALF.value, FP8_GROUP), scales=scales, a=descriptor(rows, FP8_GROUP))
 
     def gluon_build(label, fn, pointers, constexprs):
         signature = {name: "i32" for name in fn.arg_names}
@@ -240,19 +241,18 @@ def _fp8_gluon_builds(cfg):
 
     for activation, block_scales in product(ACTIVATIONS, (True, False)):
         yield gluon_build(f"moe_fp8_gate_up_gluon {activation} block_scales={block_scales}", gate_up_fp8_gluon_kernel,
-                          dict(desc_x=descriptor(TILE_M.value, group), desc_w1=descriptor(h_group, group),
-                               desc_xs=scales, w1s_ptr="*fp32", hq_ptr="*fp8e4nv", hs_t_ptr="*fp32",
-                               block_expert_ptr="*i32"),
+                          dict(desc_x=tiles["a"], desc_w1=tiles["desc_w"], desc_xs=tiles["scales"], w1s_ptr="*fp32",
+                               hq_ptr="*fp8e4nv", hs_t_ptr="*fp32", block_expert_ptr="*i32"),
                           dict(ACTIVATION=activation, BLOCK_SCALES=block_scales, GROUP_M=cfg.group_m,
                                NUM_STAGES=cfg.num_stages))
     for dtype, block_scales in product(("fp16", "bf16"), (True, False)):
         yield gluon_build(f"moe_fp8_down_gluon {dtype} block_scales={block_scales}", down_fp8_gluon_kernel,
-                          dict(desc_h=descriptor(TILE_M.value, h_group), desc_w2=descriptor(h_group, h_group),
-                               desc_hs=scales, w2s_ptr="*fp32", y_ptr=f"*{dtype}", weights_ptr="*fp32",
-                               sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32"),
-                          dict(BLOCK_SCALES=block_scales, GROUP_M=cfg.group_m, NUM_STAGES=2 * cfg.num_stages))
+                          dict(desc_h=tiles["a"], desc_w2=tiles["desc_w"], desc_hs=tiles["scales"], w2s_ptr="*fp32",
+                               y_ptr=f"*{dtype}", weights_ptr="*fp32", sorted_pairs_ptr="*i32",
+                               block_expert_ptr="*i32", block_rows_ptr="*i32"),
+                          dict(BLOCK_SCALES=block_scales, GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages))
     signature = {name: "i32" for name in gather_rows_kernel.arg_names}
-    constexprs = dict(BLOCK_M=TILE_M.value, BLOCK_T=FP8_GATHER_ROWS, GROUP=group)
+    constexprs = dict(BLOCK_M=rows, BLOCK_T=FP8_GATHER_ROWS, GROUP=FP8_GROUP)
     signature.update(xq_ptr="*u8", xs_ptr="*fp32", sorted_pairs_ptr="*i32", block_rows_ptr="*i32", q_ptr="*u8",
                      s_t_ptr="*fp32", **{name: "constexpr" for name in constexprs})
     yield KernelBuild("moe_fp8_gather_rows", gather_rows_kernel, signature, constexprs, 4, 1,

@@ -314,9 +314,8 @@ class FP8Config:
     down_warps: int
     num_stages: int
     down_block_n: int = 128
-    # The Gluon kernels (`_kernels/fp8_gluon.py`, sm90): block_m 128 (two 64-row consumers), the
-    # warps and block_n fixed there; num_stages is the gate/up's, and the down's steps, half as
-    # deep, get twice as many (the same bytes in flight).
+    # The Gluon kernels (`_kernels/fp8_gluon.py`, sm90): block_m 128, the warps and tiles fixed
+    # there; num_stages for both GEMMs.
     gluon: bool = False
 
     def __str__(self) -> str:
@@ -345,14 +344,15 @@ _FP8_DECODE = FP8Config(16, 1, 8, 4, 4, 64)
 _FP8_PREFILL = FP8Config(64, 8, 8, 4, 4)
 _FP8_LARGE = ((8, _FP8_DECODE), (32, FP8Config(32, 1, 8, 4, 3)), (None, _FP8_PREFILL))
 _FP8_SMALL = ((8, FP8Config(16, 1, 4, 4, 3)), _FP8_LARGE[1], (None, FP8Config(64, 8, 8, 4, 3)))
-# Hopper past 64 pairs an expert: the Gluon kernels (`_kernels/fp8_gluon.py`), which scale each
-# step's product while the next one runs. Against the Triton entry, whole layer on an H200
-# (block scales; out/exp-style A/B, the figures in benchmarks/results/moe_fp8_gluon_ab.json):
-# Qwen3-30B-A3B 0.96x at 64 pairs an expert (T = 1024, kept on Triton), 1.00x at 128, 1.09-1.10x
-# at 256-1024; DeepSeek-V2-Lite 1.07-1.20x from 96; Mixtral-8x7B 1.08-1.19x from 256. Where the
-# weights are not TMA-addressable the Triton prefill entry serves instead.
+# Hopper past 128 pairs an expert: the Gluon kernels (`_kernels/fp8_gluon.py`), which scale
+# each step's product while the next one runs. Whole layer against the Triton entry on an H200
+# (block scales, benchmarks/results/moe_fp8_gluon_ab.json): Qwen3-30B-A3B 1.03x at 128 pairs an
+# expert (T = 2048; 0.95x with per-channel scales, so that load stays on Triton), 1.15-1.21x at
+# 256-1024; DeepSeek-V2-Lite 0.69x at 96 (their 128-row blocks are a quarter padding there),
+# 1.04x at 192, 1.19-1.24x at 384-1536; Mixtral-8x7B 1.16-1.33x at 256-8192. Where the weights
+# are not TMA-addressable the Triton prefill entry serves instead.
 FP8_GLUON_PREFILL = FP8Config(128, 8, 4, 4, 5, gluon=True)
-_FP8_HOPPER = _FP8_LARGE[:-1] + ((64, _FP8_PREFILL), (None, FP8_GLUON_PREFILL))
+_FP8_HOPPER = _FP8_LARGE[:-1] + ((128, _FP8_PREFILL), (None, FP8_GLUON_PREFILL))
 # sm80 runs no FP8 on the GPU (the launcher refuses it); its entry serves Triton's interpreter.
 FP8 = {90: _FP8_HOPPER, 89: _FP8_SMALL, 80: _FP8_LARGE}
 FP8_TRITON_FALLBACK = {90: _FP8_PREFILL}
@@ -428,14 +428,14 @@ def backward_configs(capability: int):
 
 
 def fp8_config(device: DeviceInfo, num_tokens: int, top_k: int, num_experts: int,
-               tma_weights: bool = True) -> FP8Config:
+               gluon_ok: bool = True) -> FP8Config:
     """The FP8 tiling for a call on `device`, by its load (pairs per expert); a Gluon entry only
-    where the weights are TMA-addressable (`tma_weights`: contiguous, 16-byte aligned) and
+    where the call suits those kernels (`gluon_ok`: weights contiguous and 16-byte aligned) and
     kernels run on the GPU."""
     table = FP8[device.arch_family]
     bound = load_bound(table, num_tokens, top_k, num_experts)
     cfg = next(cfg for b, cfg in table if b == bound)
-    if cfg.gluon and not (tma_weights and not interpreter_active()):
+    if cfg.gluon and not (gluon_ok and not interpreter_active()):
         return FP8_TRITON_FALLBACK[device.arch_family]
     return cfg
 

@@ -154,8 +154,8 @@ class _FP8Plan:
         self.num_tokens, self.hidden, self.inter, self.num_experts, self.top_k = T, H, two_i // 2, E, top_k
         # The Gluon kernels view the weights as (E * N, K) TMA tensors (the key holds their strides
         # and alignment).
-        tma_weights = w1.is_contiguous() and w2.is_contiguous() and addressable(w1, w2)
-        self.config = configs.fp8_config(info_for(hidden_states), T, top_k, E, tma_weights)
+        gluon_ok = w1.is_contiguous() and w2.is_contiguous() and addressable(w1, w2)
+        self.config = configs.fp8_config(info_for(hidden_states), T, top_k, E, gluon_ok)
         self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device)
         self.block_scales = block_shape is not None
         self.device_index = self.dispatch.device_index
@@ -228,7 +228,7 @@ def _gluon_gemms(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights, la
 
     cfg, key, device = plan.config, plan.launch_key, x.device
     T, H, I, E = plan.num_tokens, plan.hidden, plan.inter, plan.num_experts
-    TILE_M, H_GROUP = fp8_gluon.TILE_M.value, fp8_gluon.H_GROUP.value
+    TILE_M = fp8_gluon.TILE_M.value  # the layout's block
     xq, xs = _quantized_tokens(plan, x)
     rows = layout.num_blocks * TILE_M
     xq_rows = routing.allocate((rows, H), FP8_DTYPE, device)
@@ -239,21 +239,20 @@ def _gluon_gemms(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights, la
          plan.top_k, TILE_M, configs.FP8_GATHER_ROWS, GROUP),
         num_warps=4, num_stages=1, device_index=plan.device_index)
     hq = routing.allocate((rows, I), FP8_DTYPE, device)
-    hs_t = routing.allocate((I // H_GROUP, rows), torch.float32, device)
+    hs_t = routing.allocate((I // GROUP, rows), torch.float32, device)
     sms = info_for(x).sm_count  # persistent kernels: at most one program an SM
+    half = fp8_gluon.HALF.value  # rows of a weight box
     _GATE_UP_GLUON.launch(
-        key, (min(layout.num_blocks * (I // H_GROUP), sms), 1, 1),
-        (describe(xq_rows, TILE_M, GROUP), describe(w1.view(E * 2 * I, H), H_GROUP, GROUP), describe(xs_t, 1, TILE_M),
-         w1_scale, hq, hs_t,
-         layout.block_expert, layout.num_blocks, rows, H, I, w1_scale.stride(0), w1_scale.stride(1),
-         activation, plan.block_scales, cfg.group_m, cfg.num_stages),
+        key, (min(layout.num_blocks * (I // GROUP), sms), 1, 1),
+        (describe(xq_rows, TILE_M, GROUP), describe(w1.view(E * 2 * I, H), half, GROUP), describe(xs_t, 1, TILE_M),
+         w1_scale, hq, hs_t, layout.block_expert, layout.num_blocks, rows, H, I, w1_scale.stride(0),
+         w1_scale.stride(1), activation, plan.block_scales, cfg.group_m, cfg.num_stages),
         num_warps=4, num_stages=1, device_index=plan.device_index)
     y = routing.allocate((T * plan.top_k, H), x.dtype, device)
     _DOWN_GLUON.launch(
-        key, (min(layout.num_blocks * (H // 128), sms), 1, 1),
-        (describe(hq, TILE_M, H_GROUP), describe(w2.view(E * H, I), H_GROUP, H_GROUP), describe(hs_t, 1, TILE_M),
-         w2_scale, y,
-         topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks, rows, H, I,
-         w2_scale.stride(0), w2_scale.stride(1), plan.block_scales, cfg.group_m, 2 * cfg.num_stages),
+        key, (min(layout.num_blocks * (H // GROUP), sms), 1, 1),
+        (describe(hq, TILE_M, GROUP), describe(w2.view(E * H, I), half, GROUP), describe(hs_t, 1, TILE_M), w2_scale,
+         y, topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks, H, I,
+         w2_scale.stride(0), w2_scale.stride(1), plan.block_scales, cfg.group_m, cfg.num_stages),
         num_warps=4, num_stages=1, device_index=plan.device_index)
     return y
