@@ -17,7 +17,8 @@ _MARKER = re.compile(r"(<!-- results:(?P<name>[\w+-]+) -->\n)(?P<body>.*?)(<!-- 
 _IMPL_NAMES = {"sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient",
                "flex": "Flex (compiled)", "ours": "ours", "sdpa_default": "SDPA default", "sdpa_math": "SDPA math",
                "sdpa_padded": "SDPA padded + mask", "flex_document": "Flex document mask",
-               "naive": "per-expert loop", "grouped_mm": "grouped-mm", "gmm": "grouped-mm", "sonic": "SonicMoE"}
+               "naive": "per-expert loop", "grouped_mm": "grouped-mm", "gmm": "grouped-mm", "sonic": "SonicMoE",
+               "scaled_gmm": "scaled grouped-mm"}
 # The train section's sides: how each calls attention from the block's QKV projection.
 _TRAIN_NAMES = {"ours_packed": "ours, `flash_attention_qkvpacked` on the projection",
                 "ours": "ours, `flash_attention_science` on q, k, v views", "sdpa_default": "SDPA default"}
@@ -576,6 +577,7 @@ def render_moe_train(name: str, result: dict) -> str:
 _HEADLINE_ATTENTION = ((128, True, 4096), (128, True, 16384))
 _HEADLINE_FP8_ATTENTION = ((128, False, 16384), (256, False, 16384))
 _HEADLINE_MOE = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 16384))
+_HEADLINE_MOE_FP8 = (("qwen3-30b-a3b", 16384),)
 # KV-cache decode: Qwen3-30B-A3B's attention (Hq 32, Hkv 4, D 128) against 4096 cached tokens at batch
 # 1 and 32 (`bench.attention_decode.MODEL_CASES`), per layer of a 32-layer CUDA graph.
 _HEADLINE_DECODE = ((32, 4, 128, 4096), (1, 32))
@@ -656,6 +658,18 @@ def render_headline(results_dir) -> str:
                 theirs = " / ".join(f"{rows[impl][key]:.3f} ms ({_IMPL_NAMES[impl]})" for impl in peers)
                 ratios = " / ".join(f"{rows[impl][key] / ours:.2f}x" for impl in peers)
                 out.append(f"| {label} | {case} | {ours:.3f} ms | {theirs} | {ratios} | `{name}.json` |")
+    result = _load(results_dir, "moe_fp8")
+    if result is not None:
+        gpus.append(result["meta"].get("gpu") or "CPU")
+        for shape, tokens in _HEADLINE_MOE_FP8:
+            rows = {r["impl"]: r for r in result["rows"] if r["shape"] == shape and r["T"] == tokens}
+            if {"fp8", "gmm", "scaled_gmm"} <= set(rows):
+                ours = rows["fp8"]["ms"]
+                peers = (("gmm", "bf16"), ("scaled_gmm", "FP8"))
+                theirs = " / ".join(f"{rows[impl]['ms']:.3f} ms ({_IMPL_NAMES[impl]}, {kind})" for impl, kind in peers)
+                ratios = " / ".join(f"{rows[impl]['ms'] / ours:.2f}x" for impl, _ in peers)
+                out.append(f"| MoE layer forward, FP8 | {shape} T={tokens} | {ours:.3f} ms | {theirs} | {ratios} | "
+                           f"`moe_fp8.json` |")
     result = _load(results_dir, "model")
     if result is not None:
         gpus.append(result["meta"].get("gpu") or "CPU")
