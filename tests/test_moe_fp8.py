@@ -167,6 +167,41 @@ def test_gluon_prefill_matches_the_quantised_reference_with_dropped_slots(block,
     assert _rel(out[rows], ref) <= 2 * _rel(ref.to(torch.bfloat16), ref) + 6e-3
 
 
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon GEMMs are sm90's")
+def test_gluon_prefill_is_deterministic_syncs_nothing_and_replays_in_a_cuda_graph():
+    T, E, H, I, k = 1024, 8, 256, 256, 2
+    x, w1, w2, logits = _layer(T, E, H, I, k, seed=4)
+    (q1, s1), (q2, s2) = quantize_fp8_blockwise(w1), quantize_fp8_blockwise(w2)
+    xb = x.to(torch.bfloat16)
+
+    def layer():
+        return fused_moe(xb, q1, q2, logits, k, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
+
+    with torch.no_grad():
+        clear_records()
+        first = layer()
+        assert last_launch("moe_fp8_gate_up_gluon") is not None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = layer()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(first, again)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer()  # warm on the capture stream
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer()
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(captured, first)
+
+
 @needs_fp8
 def test_fp8_experts_refuse_bad_scales_and_gradients():
     x, w1, w2, logits = _layer(4, 4, 128, 128, 2)
