@@ -349,8 +349,10 @@ _FP8_SMALL = ((8, FP8Config(16, 1, 4, 4, 3)), _FP8_LARGE[1], (None, FP8Config(64
 # (block scales, benchmarks/results/moe_fp8_gluon_ab.json): Qwen3-30B-A3B 1.03x at 128 pairs an
 # expert (T = 2048; 0.95x with per-channel scales, so that load stays on Triton), 1.15-1.21x at
 # 256-1024; DeepSeek-V2-Lite 0.69x at 96 (their 128-row blocks are a quarter padding there),
-# 1.04x at 192, 1.19-1.24x at 384-1536; Mixtral-8x7B 1.16-1.33x at 256-8192. Where the weights
-# are not TMA-addressable the Triton prefill entry serves instead.
+# 1.04x at 192, 1.19-1.24x at 384-1536; Mixtral-8x7B 1.16-1.33x at 256-8192. Five stages and
+# GROUP_M 8 were the fastest or within 1% of it among 3-5 stages and GROUP_M 4-32 at 4096 and 16k
+# tokens (moe_fp8_gluon_tune.json). Where the weights are not TMA-addressable the Triton prefill
+# entry serves instead.
 FP8_GLUON_PREFILL = FP8Config(128, 8, 4, 4, 5, gluon=True)
 _FP8_HOPPER = _FP8_LARGE[:-1] + ((128, _FP8_PREFILL), (None, FP8_GLUON_PREFILL))
 # sm80 runs no FP8 on the GPU (the launcher refuses it); its entry serves Triton's interpreter.
