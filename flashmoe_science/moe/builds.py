@@ -11,8 +11,8 @@ from ..kernel_build import KernelBuild
 from .configs import (_TRITON_DTYPES, ACTIVATIONS, COMBINE_BLOCK_H, COMBINE_BLOCK_T, COMBINE_STAGES, COMBINE_WARPS,
                       COUNT_TILE, DISPATCH_ROWS, DISPATCH_STAGES, DISPATCH_WARPS, FP8_GATHER_ROWS, FP8_GROUP,
                       FP8_QUANTIZE_ROWS, GATHER_ROWS_TILE, GATHER_ROWS_WARPS, MAX_EXPERTS, MAX_TOP_K, ROUTE_EXPERT_PADS,
-                      SORT_PAIRS,
-                      backward_configs, experts_configs, fp8_configs, route_expert_pad, route_rows, route_warps)
+                      SORT_PAIRS, backward_configs, experts_configs, fp8_configs, route_expert_pad, route_rows,
+                      route_warps)
 
 
 def shipped_builds(capability: int):
@@ -220,17 +220,15 @@ def _builds(capability: int):
 def _fp8_gluon_builds(cfg):
     """The Gluon FP8 GEMMs of `cfg` (sm90) and the copy of the quantised tokens into layout order
     they read: the shared-memory layouts of their descriptors are part of their signatures."""
-    from triton.experimental.gluon import language as gl
-
     from ._kernels.fp8 import gather_rows_kernel
     from ._kernels.fp8_gluon import HALF, TILE_M, down_fp8_gluon_kernel, gate_up_fp8_gluon_kernel
+    from .fp8 import gluon_box_layout
 
     def descriptor(rows, cols):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
-        return f"tensordesc<fp8e4nv[{rows},{cols}],{layout!r}>"
+        return f"tensordesc<fp8e4nv[{rows},{cols}],{gluon_box_layout(rows, cols, False)!r}>"
 
     rows = TILE_M.value
-    scales = f"tensordesc<fp32[1,{rows}],{gl.NVMMASharedLayout(0, 32, 2)!r}>"
+    scales = f"tensordesc<fp32[1,{rows}],{gluon_box_layout(1, rows, True)!r}>"
     tiles = dict(desc_w=descriptor(HALF.value, FP8_GROUP), scales=scales, a=descriptor(rows, FP8_GROUP))
 
     def gluon_build(label, fn, pointers, constexprs):

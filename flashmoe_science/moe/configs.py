@@ -360,7 +360,7 @@ FP8 = {90: _FP8_HOPPER, 89: _FP8_SMALL, 80: _FP8_LARGE}
 FP8_TRITON_FALLBACK = {90: _FP8_PREFILL}
 FP8_GROUP = 128  # FP8 scale groups: activations per row and 128 columns, weights per 128 x 128 block
 FP8_QUANTIZE_ROWS = 16  # token rows a program quantises (one group each)
-FP8_GATHER_ROWS = 32  # layout rows a program gathers and quantises (every group), for the Gluon GEMMs
+FP8_GATHER_ROWS = 32  # layout rows a program copies (every group) for the Gluon GEMMs
 
 
 def family_of(capability: int) -> int:
@@ -447,5 +447,7 @@ def fp8_configs(capability: int):
     if capability < 89:
         return
     family = family_of(capability)
-    yield from dict.fromkeys([cfg for _, cfg in FP8[family]] + ([FP8_TRITON_FALLBACK[family]]
-                                                                 if family in FP8_TRITON_FALLBACK else []))
+    picks = [cfg for _, cfg in FP8[family]]
+    if family in FP8_TRITON_FALLBACK:
+        picks.append(FP8_TRITON_FALLBACK[family])
+    yield from dict.fromkeys(picks)

@@ -12,7 +12,11 @@ Triton's CPU interpreter.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from ..device import info_for
 from ..float8 import FP8_DTYPE, FP8_MAX, check_fp8_device
@@ -213,18 +217,22 @@ def _quantized_tokens(plan: _FP8Plan, x):
     return xq, xs
 
 
+@functools.lru_cache(maxsize=None)
+def gluon_box_layout(rows: int, cols: int, scales: bool):
+    """The shared-memory layout of a Gluon FP8 GEMM's TMA box: FP8 tiles with the widest swizzle
+    their rows allow (as wgmma reads them), fp32 scale rows unswizzled."""
+    if scales:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
+
+
 def _gluon_gemms(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights, layout, activation):
     """The tokens quantised in layout order, then the Gluon gate/up and down GEMMs
     (`_kernels/fp8_gluon.py`, sm90): y (T * top_k, H), each pair's row at its slot."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def describe(t, rows, cols):
-        if t.dtype == torch.float32:  # scales: read as they are, unswizzled
-            layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        else:
-            layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
-        return unchecked_descriptor(TensorDescriptor, t, list(t.shape), list(t.stride()), [rows, cols], layout)
+        box = gluon_box_layout(rows, cols, t.dtype == torch.float32)
+        return unchecked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [rows, cols], box)
 
     cfg, key, device = plan.config, plan.launch_key, x.device
     T, H, I, E = plan.num_tokens, plan.hidden, plan.inter, plan.num_experts

@@ -1,6 +1,6 @@
-"""Triton (and, for Hopper's FP8 prefill, Gluon) kernels of the fused MoE forward and backward. Private: the public modules one level
-up hold the contract (argument checks, allocation, configuration, launch); these files hold the
-algorithm.
+"""Triton (and, for Hopper's FP8 prefill, Gluon) kernels of the fused MoE forward and backward.
+Private: the public modules one level up hold the contract (argument checks, allocation,
+configuration, launch); these files hold the algorithm.
 
 - `offsets.py`: 64-bit address arithmetic shared by every kernel.
 - `dispatch.py`: top-k routing and the block-aligned, expert-sorted layout of token-expert pairs.
