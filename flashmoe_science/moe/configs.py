@@ -331,9 +331,10 @@ class FP8Config:
 # 256 fp32 tiles: eight warps from BLOCK_M 32, and BLOCK_M at most 64, keep ptxas from spilling.
 # Moving the prefill entry's weight tiles (and down's h tiles) through TMA descriptors, as the 16-bit
 # prefill entries do, measured within run-to-run noise on an H100 (1-2% either way at 4k-16k
-# tokens; benchmarks/results/moe_fp8_tma_trial.json against moe_fp8.json), so the pointer loads
-# stay: what bounds these kernels is the scaling of every K step's product before it is added
-# (a wait on each product and two BLOCK_M x 256 fp32 tiles of FMAs), not the loads.
+# tokens; benchmarks/results/moe_fp8_tma_trial.json against the pointer loads' run of the same
+# day), so the pointer loads stay: what bounds these kernels is the scaling of every K step's
+# product before it is added (a wait on each product and two BLOCK_M x 256 fp32 tiles of FMAs),
+# not the loads; the Gluon entry below hides that scaling.
 # Decode (at most 8 pairs an expert) on Hopper: eight gate/up warps, four stages and 64-column
 # down tiles (twice the programs, where one or two experts' down projection would fill half the
 # SMs) measured 7-10% faster at T = 1 and 1-3% at T = 16 than (16, 1, 4, 4, 3) with 128-column
