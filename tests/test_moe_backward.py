@@ -452,6 +452,9 @@ def test_hopper_tma_backward_builds_use_the_copy_engine(compiled_rows):
     """The sm90 builds of entries with `tma` (shipped next to their pointer builds) compile to
     bulk tensor copies for every backward GEMM; the pointer builds to none."""
     backward = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith(BACKWARD_OPS)]
+    gluon = [r for r in backward if r["label"].startswith("moe_grad_gate_up_gluon")]  # TMA by construction
+    assert gluon and all(r["tma"] and r["wgmma"] for r in gluon), [r["label"] for r in gluon]
+    backward = [r for r in backward if r not in gluon]
     tma = [r for r in backward if r["label"].endswith(" tma")]
     assert {r["label"].split()[0] for r in tma} == set(BACKWARD_OPS)
     assert all(r["tma"] for r in tma), [r["label"] for r in tma if not r["tma"]]
@@ -520,3 +523,42 @@ def test_backward_deterministic_and_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+# (name, E, k, H, I, T): loads of 128-row blocks, where Hopper runs the Gluon grad_gate_up; I = 2880
+# (gpt-oss's width) ends in a partial column tile.
+GLUON_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 2048), ("gpt-oss-width", 8, 2, 1024, 2880, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,E,k,H,I,T", GLUON_SHAPES)
+def test_gluon_grad_gate_up_gradients(name, E, k, H, I, T):
+    """The Gluon d [gate, up] kernel (sm90) against the float64 reference: every gradient, with a
+    dropped slot (id -1) and an idle expert, and the kernel it ran named."""
+    if info_for(torch.empty(0, device="cuda")).capability != 90:
+        pytest.skip("the Gluon backward kernel runs on sm90")
+    x, w1, w2 = make_layer(T, E, H, I, torch.bfloat16, "cuda")
+    weights, ids = moe_route(torch.randn(T, E, device="cuda", dtype=torch.bfloat16), k)
+    ids = torch.where(ids == E - 1, 0, ids)  # expert E - 1 gets no token
+    ids[0, 0] = -1  # a dropped slot: no gradient flows through it
+    grad_out = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    inputs = leaves(x, w1, w2, weights)
+    clear_records()
+    _, grads = grads_of(lambda x, w1, w2, w: fused_experts(x, w1, w2, w, ids), inputs, grad_out)
+    assert last_launch("moe_grad_gate_up_gluon") is not None and last_launch("moe_grad_gate_up") is None
+    _, torch_grads = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids), leaves(*inputs), grad_out)
+    _, ref = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids),
+                      leaves(*(t.double() for t in inputs)), grad_out.double())
+    check_grads(grads, ref, torch_grads, ("x", "w1", "w2", "topk_weights"), atol=1e-3)
+
+
+def test_gluon_grad_gate_up_needs_the_gpu_and_its_layout(device, poisoned, forced_backward):  # noqa: F811
+    """A configuration asking for the Gluon d [gate, up] kernel runs the Triton one where the Gluon
+    kernel cannot: in the interpreter (and on the CPU), over blocks other than 128 rows."""
+    forced_backward(lambda cfg: dataclasses.replace(cfg, gluon_stages=5))
+    T, E, k, H, I = 37, 4, 2, 64, 32
+    x, w1, w2 = make_layer(T, E, H, I, torch.float16, device)
+    inputs = leaves(x, w1, w2, torch.randn(T, E, device=device))
+    clear_records()
+    torch.autograd.grad(fused_moe(*inputs, k).square().sum(), inputs)
+    assert last_launch("moe_grad_gate_up") is not None and last_launch("moe_grad_gate_up_gluon") is None

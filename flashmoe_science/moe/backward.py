@@ -26,7 +26,9 @@ formula frees its saved tensors op by op.
 The launches (kernels in `_kernels/backward.py`), none read back by the host:
 1. grad_gate_up: [d gate, d up] (pairs, 2I) in layout order, per-column-tile parts of
    d topk_weights (a (tiles, T * k) fp32 table summed here by one torch reduction), and for
-   the weight gradients w_p * h_p and each layout row's token;
+   the weight gradients w_p * h_p and each layout row's token; where the configuration's
+   gluon_stages asks and the call suits it (`gluon_grad_gate_up_ok`), the Gluon kernel of
+   `_kernels/backward_gluon.py` (sm90), with the same tiles;
 2. grad_x: the (T * k, H) per-pair input gradients, then the forward's combine kernel sums
    each token's k rows in the fixed order j = 0..k-1;
 3. grad_w1 and grad_w2: one program per (expert, tile), each summing its expert's rows in
@@ -47,18 +49,26 @@ launch took descriptors (`_launch_key`). The others take the pointer kernels wit
 """
 from __future__ import annotations
 
-import torch
+import functools
 
-from ..device import info_for
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+from ..device import info_for, interpreter_active
 from ..launch import KernelLauncher, PlanCache
+from ..tma import addressable, unchecked_descriptor
 from . import configs, experts, routing
+from ._kernels import backward_gluon
 from ._kernels.backward import gather_rows_kernel, grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
+from ._kernels.backward_gluon import grad_gate_up_gluon_kernel
 
 _GRAD_GATE_UP = KernelLauncher("moe_grad_gate_up", grad_gate_up_kernel, fp32_dots=True)
 _GRAD_X = KernelLauncher("moe_grad_x", grad_x_kernel, fp32_dots=True)
 _GRAD_W1 = KernelLauncher("moe_grad_w1", grad_w1_kernel, fp32_dots=True)
 _GRAD_W2 = KernelLauncher("moe_grad_w2", grad_w2_kernel, fp32_dots=True)
 _GATHER_ROWS = KernelLauncher("moe_gather_rows", gather_rows_kernel)
+_GRAD_GATE_UP_GLUON = KernelLauncher("moe_grad_gate_up_gluon", grad_gate_up_gluon_kernel)
 
 
 class BackwardPlan:
@@ -127,6 +137,11 @@ def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_
     into grad_weight_parts (plan.grad_gate_up_tiles, T * k) fp32, and with need_weight_grads
     w_p * h_p (layout rows, I) into weighted_h and each row's token into row_tokens (layout rows,)."""
     g = plan.config.grad_gate_up
+    if plan.config.gluon_stages and gluon_grad_gate_up_ok(plan, grad_out, w2, interleaved):
+        _launch_grad_gate_up_gluon(key, plan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert,
+                                   block_rows, grad_gate_up, weighted_h if need_weight_grads else h, row_tokens,
+                                   grad_weight_parts, need_weight_grads)
+        return
     tma = plan.tma and experts.tma_addressable(w2)
     _GRAD_GATE_UP.launch(
         experts.launch_key_with_tma(key, tma), plan.grids["grad_gate_up"],
@@ -136,6 +151,46 @@ def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_
          grad_out.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), plan.block_m, g.block_n, g.block_k, g.group_m,
          tma, interleaved),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
+
+
+def gluon_grad_gate_up_ok(plan: BackwardPlan, grad_out, w2, interleaved: bool) -> bool:
+    """Whether `backward_gluon.grad_gate_up_gluon_kernel` can run this call: on the GPU, over
+    128-row blocks, gate and up not interleaved, H a multiple of its K step and I of its epilogue's
+    columns, w2 contiguous and dY's rows 16-byte aligned (its gathered copies)."""
+    return (grad_out.is_cuda and not interpreter_active() and plan.block_m == backward_gluon.TILE_M.value
+            and not interleaved and plan.hidden % backward_gluon.BLOCK_K.value == 0
+            and plan.inter % backward_gluon.EPILOGUE_N.value == 0 and w2.is_contiguous() and addressable(w2)
+            and addressable(grad_out) and grad_out.stride(0) % 8 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_box_layout(rows: int, cols: int):
+    """The shared-memory layout of a 16-bit TMA box of the Gluon backward kernel (as wgmma reads it)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+
+
+def _launch_grad_gate_up_gluon(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs,
+                               block_expert, block_rows, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
+                               need_weight_grads: bool) -> None:
+    """launch_grad_gate_up on the Gluon kernel (not interleaved; weighted_h: any (rows, I) tensor
+    when need_weight_grads is off, unwritten)."""
+
+    def describe(t, rows, cols):
+        return unchecked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [rows, cols],
+                                    gluon_box_layout(rows, cols))
+
+    g, bg = plan.config.grad_gate_up, backward_gluon
+    H, I, E = plan.hidden, plan.inter, plan.num_experts
+    tile_m, epilogue_n = bg.TILE_M.value, bg.EPILOGUE_N.value
+    tiles = plan.num_blocks * -(-I // bg.BLOCK_N.value)
+    _GRAD_GATE_UP_GLUON.launch(
+        key, (min(tiles, info_for(grad_out).sm_count), 1, 1),
+        (grad_out, describe(w2.view(E * H, I), bg.BLOCK_K.value, bg.BLOCK_N.value), describe(h, tile_m, epilogue_n),
+         describe(h_grads, tile_m, epilogue_n), topk_weights, describe(grad_gate_up, tile_m, epilogue_n),
+         describe(weighted_h, tile_m, epilogue_n), row_tokens, grad_weight_parts, sorted_pairs, block_expert,
+         block_rows, plan.num_blocks, plan.num_tokens * plan.top_k, H, I, plan.top_k, int(need_weight_grads),
+         grad_out.stride(0), g.group_m, plan.config.gluon_stages),
+        num_warps=4, num_stages=1, device_index=plan.device_index)
 
 
 def launch_grad_x(key, plan: BackwardPlan, grad_gate_up, w1, grad_x_pairs, sorted_pairs, block_expert,

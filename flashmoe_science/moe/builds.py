@@ -106,6 +106,8 @@ def _builds(capability: int):
         for dtype, tma in product(_TRITON_DTYPES[element_size], (False, True) if cfg.tma and capability == 90
                                   else (False,)):
             g, x = cfg.grad_gate_up, cfg.grad_x
+            if cfg.gluon_stages and capability == 90 and not tma:
+                yield _grad_gate_up_gluon_build(dtype, block_m, cfg)
             # gpt-oss's experts, as for the forward: weights stored transposed (the unit stride along
             # their rows, N) and gate and up rows interleaved, on the pointer path; our layout's unit
             # stride along K.
@@ -215,6 +217,29 @@ def _builds(capability: int):
                     dict(rows_ptr=f"*{dtype}", index_ptr="*i64", out_ptr=f"*{dtype}"),
                     dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,
                     aligned=("H",))
+
+
+def _grad_gate_up_gluon_build(dtype, block_m, cfg):
+    """The Gluon d [gate, up] kernel of backward configuration `cfg` (sm90): the shared-memory layouts
+    of its descriptors are part of its signature."""
+    from ._kernels import backward_gluon as bg
+    from ._kernels.backward_gluon import grad_gate_up_gluon_kernel
+    from .backward import gluon_box_layout
+
+    def descriptor(rows, cols):
+        return f"tensordesc<{dtype}[{rows},{cols}],{gluon_box_layout(rows, cols)!r}>"
+
+    fn = grad_gate_up_gluon_kernel
+    epilogue = descriptor(bg.TILE_M.value, bg.EPILOGUE_N.value)
+    constexprs = dict(GROUP_M=cfg.grad_gate_up.group_m, NUM_STAGES=cfg.gluon_stages)
+    signature = {name: "i32" for name in fn.arg_names}
+    signature.update(grad_out_ptr=f"*{dtype}", desc_w2=descriptor(bg.BLOCK_K.value, bg.BLOCK_N.value), desc_h=epilogue,
+                     desc_hg=epilogue, desc_ggu=epilogue, desc_wh=epilogue, weights_ptr="*fp32", row_tokens_ptr="*i32",
+                     grad_weights_ptr="*fp32", sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32")
+    signature.update({name: "constexpr" for name in constexprs})
+    return KernelBuild(f"moe_grad_gate_up_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_stages} "
+                       f"GROUP_M={cfg.grad_gate_up.group_m}", fn, signature, constexprs, 4, 1,
+                       aligned=("grad_out_ptr", "stride_gt"))
 
 
 def _fp8_gluon_builds(cfg):

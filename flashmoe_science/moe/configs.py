@@ -153,10 +153,16 @@ class BackwardConfig:
     grad_w2: WeightGradConfig
     tma: bool = False
     gather_x: bool = False
+    # gluon_stages > 0: grad_gate_up runs the Gluon kernel (`_kernels/backward_gluon.py`, sm90:
+    # persistent, warp-specialised, its tiles and warps fixed there) with this many pipeline
+    # buffers and grad_gate_up's group_m, where the call suits it (`backward.gluon_grad_gate_up_ok`);
+    # other calls run the Triton kernel with grad_gate_up's tiling.
+    gluon_stages: int = 0
 
     def __str__(self) -> str:
         return (f"grad_gate_up[{self.grad_gate_up}] grad_x[{self.grad_x}] grad_w1[{self.grad_w1}] "
-                f"grad_w2[{self.grad_w2}]" + (" tma" if self.tma else "") + (" gather_x" if self.gather_x else ""))
+                f"grad_w2[{self.grad_w2}]" + (" tma" if self.tma else "") + (" gather_x" if self.gather_x else "")
+                + (f" gluon_stages={self.gluon_stages}" if self.gluon_stages else ""))
 
 
 # The backward runs over the forward's layout (its saved intermediates are in layout order),
@@ -199,8 +205,17 @@ _BACKWARD_FP32 = {
 # Qwen3-30B-A3B, 1.683 -> 1.559 on OLMoE-1B-7B, 1.747 -> 1.650 on DeepSeek-V2-Lite against
 # four, Mixtral-8x7B within 0.4%; wider tiles (BLOCK_N 256) and 128-deep K steps are slower
 # (out of tree, H100).
+# The Gluon grad_gate_up (gluon_stages) runs where the experts are no wider than the model (H >= I):
+# alone, inside forward+backward on an H200 (benchmarks/results/moe_grad_gate_up_gluon.json, the
+# Triton kernel in the same run), at 16k tokens Qwen3-30B-A3B 1.131 -> 1.083 ms, DeepSeek-V2-Lite
+# 1.524 -> 1.406, OLMoE-1B-7B 1.397 -> 1.319; at 4096 DeepSeek-V2-Lite 0.450 -> 0.416, OLMoE
+# 0.427 -> 0.394, Qwen3-30B-A3B 0.337 -> 0.343 (1.7% slower); the same gradient bits, d
+# topk_weights within 3e-7. Five stages and GROUP_M 8 were the fastest or within 1% among 4-5
+# stages and GROUP_M 4-16. Mixtral-8x7B (H < I, the BACKWARD_GATHER_X entry) keeps the Triton
+# kernel: 8.72 against 9.66 ms at 16k tokens.
 _HOPPER_BACKWARD = {**_BACKWARD_LARGE_SMEM,
-                    128: replace(_BACKWARD_LARGE_SMEM[128], grad_gate_up=G(128, 64, 8, 8, 6), tma=True)}
+                    128: replace(_BACKWARD_LARGE_SMEM[128], grad_gate_up=G(128, 64, 8, 8, 6), tma=True,
+                                 gluon_stages=5)}
 BACKWARD = {
     90: {2: _HOPPER_BACKWARD, 4: _BACKWARD_FP32},
     80: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},
@@ -216,7 +231,8 @@ BACKWARD = {
 # 17.3 -> 11.8 + 0.15 ms at 16k tokens, 2.48 -> 2.16 + 0.02 at 2048. Where H >= I the copy
 # costs more of the peak than it saves time: DeepSeek-V2-Lite 1.03x for +2-10%, Qwen3-30B-A3B
 # 1.01-1.02x for +14-31%, OLMoE-1B-7B 1.02-1.04x for +1-17%; those keep the gathering kernel.
-BACKWARD_GATHER_X = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True)}}}
+BACKWARD_GATHER_X = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True,
+                                           gluon_stages=0)}}}
 del G, B, W
 
 # The largest BLOCK_M of any table (bounds the padding rows of the sorted layout).
