@@ -525,9 +525,9 @@ def test_backward_deterministic_and_no_host_sync():
         assert torch.equal(a, b)
 
 
-# (name, E, k, H, I, T): loads of 128-row blocks, where Hopper runs the Gluon grad_gate_up; I = 2880
-# (gpt-oss's width) ends in a partial column tile.
-GLUON_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 2048), ("gpt-oss-width", 8, 2, 1024, 2880, 1024)]
+# (name, E, k, H, I, T): loads of 128-row blocks and H >= I, where Hopper runs the Gluon grad_gate_up;
+# I = 2880 (gpt-oss's width) ends in a partial column tile.
+GLUON_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 2048), ("i-2880", 8, 2, 3072, 2880, 1024)]
 
 
 @pytest.mark.gpu
