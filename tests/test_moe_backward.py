@@ -13,6 +13,7 @@ from test_moe_configs import _launched_build
 from test_moe_experts import config_forcer, has_tma, make_layer, rel_error
 from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher buffer starts as poison)
 
+from flashmoe_science.bench.timing import captured_graph
 from flashmoe_science.device import SUPPORTED_TARGETS, info_for
 from flashmoe_science.launch import clear_records, last_launch
 from flashmoe_science.moe import backward as moe_backward
@@ -581,14 +582,7 @@ def test_gluon_grad_gate_up_backward_replays_in_a_cuda_graph():
     clear_records()
     eager = step()
     assert last_launch("moe_grad_gate_up_gluon") is not None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = captured_graph(step)
     for g in captured:
         g.fill_(float("nan"))
     graph.replay()

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from test_moe_routing import poisoned  # noqa: F401  (fixture: every launcher buffer starts as poison)
 
+from flashmoe_science.bench.timing import captured_graph
 from flashmoe_science.launch import PlanCache, clear_records, last_launch
 from flashmoe_science.moe import configs, experts, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe._kernels.offsets import wide_offset
@@ -465,14 +466,7 @@ def test_cuda_graph_capture(T):
     x, w1, w2 = make_layer(T, E, H, I, torch.bfloat16, "cuda")
     logits = torch.randn(T, E, device="cuda")
     fused_moe(x, w1, w2, logits, k)  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused_moe(x, w1, w2, logits, k)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fused_moe(x, w1, w2, logits, k)
+    graph, static_out = captured_graph(lambda: fused_moe(x, w1, w2, logits, k))
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         logits.copy_(torch.randn_like(logits))

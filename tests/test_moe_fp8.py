@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flashmoe_science.bench.timing import captured_graph
 from flashmoe_science.launch import clear_records, last_launch
 from flashmoe_science.moe import fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_blockwise,
@@ -188,14 +189,7 @@ def test_gluon_prefill_is_deterministic_syncs_nothing_and_replays_in_a_cuda_grap
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(first, again)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layer()  # warm on the capture stream
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = layer()
+        graph, captured = captured_graph(layer)
         captured.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

@@ -59,10 +59,9 @@ def time_gpu(fn, *, warmup_ms: float = 25, rep_ms: float = 100, repeats: int = 5
         [do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") for _ in range(repeats)])
 
 
-def graph_replay(fn):
-    """fn captured in a CUDA graph (after two warm calls, one on a side stream, as capture asks);
-    returns the replay: time it for GPU time without host work or launch gaps."""
-    fn()
+def captured_graph(fn):
+    """(graph, fn's outputs as the graph writes them): fn called once on a side stream, as capture
+    asks, then captured in a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -70,8 +69,15 @@ def graph_replay(fn):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        outputs = fn()
+    return graph, outputs
+
+
+def graph_replay(fn):
+    """fn captured in a CUDA graph (after two warm calls, one on a side stream, as capture asks);
+    returns the replay: time it for GPU time without host work or launch gaps."""
+    fn()
+    return captured_graph(fn)[0].replay
 
 
 def time_wall(fn, *, calls: int = 200, repeats: int = 5, host_samples: list | None = None) -> Timing:
