@@ -179,17 +179,17 @@ def _launch_grad_gate_up_gluon(key, plan: BackwardPlan, grad_out, w2, h, h_grads
         return unchecked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [rows, cols],
                                     gluon_box_layout(rows, cols))
 
-    g, bg = plan.config.grad_gate_up, backward_gluon
+    bg = backward_gluon
     H, I, E = plan.hidden, plan.inter, plan.num_experts
     tile_m, epilogue_n = bg.TILE_M.value, bg.EPILOGUE_N.value
-    tiles = plan.num_blocks * -(-I // bg.BLOCK_N.value)
+    tiles = plan.grids["grad_gate_up"][0]  # the Triton kernel's tiles (the same columns: configs' test)
     _GRAD_GATE_UP_GLUON.launch(
         key, (min(tiles, info_for(grad_out).sm_count), 1, 1),
         (grad_out, describe(w2.view(E * H, I), bg.BLOCK_K.value, bg.BLOCK_N.value), describe(h, tile_m, epilogue_n),
          describe(h_grads, tile_m, epilogue_n), topk_weights, describe(grad_gate_up, tile_m, epilogue_n),
-         grad_gate_up, describe(weighted_h, tile_m, epilogue_n), row_tokens, grad_weight_parts, sorted_pairs, block_expert,
-         block_rows, plan.num_blocks, plan.num_tokens * plan.top_k, H, I, plan.top_k, int(need_weight_grads),
-         grad_out.stride(0), g.group_m, plan.config.gluon_stages),
+         grad_gate_up, describe(weighted_h, tile_m, epilogue_n), row_tokens, grad_weight_parts, sorted_pairs,
+         block_expert, block_rows, plan.num_blocks, plan.num_tokens * plan.top_k, H, I, plan.top_k,
+         int(need_weight_grads), grad_out.stride(0), plan.config.grad_gate_up.group_m, plan.config.gluon_stages),
         num_warps=4, num_stages=1, device_index=plan.device_index)
 
 

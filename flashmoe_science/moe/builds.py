@@ -235,8 +235,8 @@ def _grad_gate_up_gluon_build(dtype, block_m, cfg):
     signature = {name: "i32" for name in fn.arg_names}
     signature.update(grad_out_ptr=f"*{dtype}", desc_w2=descriptor(bg.BLOCK_K.value, bg.BLOCK_N.value), desc_h=epilogue,
                      desc_hg=epilogue, desc_ggu=epilogue, grad_gate_up_ptr=f"*{dtype}", desc_wh=epilogue,
-                     weights_ptr="*fp32", row_tokens_ptr="*i32",
-                     grad_weights_ptr="*fp32", sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32")
+                     weights_ptr="*fp32", row_tokens_ptr="*i32", grad_weights_ptr="*fp32", sorted_pairs_ptr="*i32",
+                     block_expert_ptr="*i32", block_rows_ptr="*i32")
     signature.update({name: "constexpr" for name in constexprs})
     return KernelBuild(f"moe_grad_gate_up_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_stages} "
                        f"GROUP_M={cfg.grad_gate_up.group_m}", fn, signature, constexprs, 4, 1,

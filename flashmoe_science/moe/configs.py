@@ -210,9 +210,10 @@ _BACKWARD_FP32 = {
 # Triton kernel in the same run), at 16k tokens Qwen3-30B-A3B 1.087 -> 0.984 ms, DeepSeek-V2-Lite
 # 1.523 -> 1.334, OLMoE-1B-7B 1.438 -> 1.283; at 4096 0.336 -> 0.317, 0.442 -> 0.384 and
 # 0.420 -> 0.371; the same d x, d w1 and d w2 bits, the router logits' gradients within 3e-6 (d
-# topk_weights sums its rows in another order). Five stages were faster than six or within 2%. Mixtral-8x7B (H < I, the
-# BACKWARD_GATHER_X entry) keeps the Triton kernel: 8.63 against 9.42 ms at 16k tokens (its
-# 4096-deep K loop runs slower in the Gluon kernel than the Triton kernel's epilogue costs).
+# topk_weights sums its rows in another order). Five stages were faster than six or within 2%.
+# Mixtral-8x7B (H < I, the BACKWARD_GATHER_X entry) keeps the Triton kernel: 8.63 against 9.42 ms
+# at 16k tokens (its 4096-deep K loop runs slower in the Gluon kernel than the Triton kernel's
+# epilogue costs).
 _HOPPER_BACKWARD = {**_BACKWARD_LARGE_SMEM,
                     128: replace(_BACKWARD_LARGE_SMEM[128], grad_gate_up=G(128, 64, 8, 8, 6), tma=True,
                                  gluon_stages=5)}
