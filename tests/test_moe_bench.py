@@ -72,9 +72,9 @@ def test_backward_best_table_marks_kept_entries_and_skips_wrong_candidates():
     """Picks by the sum of time over each case's best; a wrong or failed candidate never wins, and a
     kernel with no candidate right on every case keeps the table's entry."""
     table = configs.BACKWARD[90][2]
-    def row(kernel, T, cfg, ms, error=None):
+    def row(kernel, T, cfg, ms, error=None, gluon_stages=0):
         return {"shape": "s", "T": T, "forward_block_m": 128, "kernel": kernel, "block_m": 128, **asdict(cfg),
-                "ms": ms, "error": error}
+                "gluon_stages": gluon_stages, "ms": ms, "error": error}
     fast, slow = configs.GemmConfig(64, 64, 8, 8, 3), configs.GemmConfig(256, 64, 8, 8, 4)
     rows = [row("grad_gate_up", 1, fast, 1.0), row("grad_gate_up", 2, fast, 4.0),
             row("grad_gate_up", 1, slow, 1.5), row("grad_gate_up", 2, slow, 2.0),  # 1 + 2 > 1.5 + 1
@@ -87,6 +87,12 @@ def test_backward_best_table_marks_kept_entries_and_skips_wrong_candidates():
     assert text.splitlines()[1] == (f"BACKWARD[90][2][128] = B(G(256, 64, 8, 8, 4), G(256, 64, 8, 8, 4), "
                                     f"W(64, 128, 32, 8, 4, 4), W{w2})  # the table's grad_w2: no candidate "
                                     f"right on every case")
+    # The Gluon d [gate, up] (its rows carry the table's GemmConfig) is a choice of its own.
+    gluon = table[128].grad_gate_up
+    rows += [row("grad_gate_up", T, gluon, 0.5, gluon_stages=5) for T in (1, 2)]
+    text = moe_sweeps._best_backward_table(rows, table, 90, 2, torch.bfloat16)
+    assert text.splitlines()[1].startswith(f"BACKWARD[90][2][128] = B(G{astuple(gluon)}, G(256, 64, 8, 8, 4), ")
+    assert ", gluon_stages=5)  # the table's grad_w2" in text.splitlines()[1]
 
 
 def test_plot(tmp_path):

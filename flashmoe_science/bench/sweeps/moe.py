@@ -6,7 +6,9 @@ configuration with the best total time relative to each case's best, as a table 
 configs.py. `backward_sweep` (with --mode fwd+bwd, results moe_backward_sweep) runs the training
 forward once per case and times each of the four backward GEMMs alone with its own candidates
 (the others at the table's values), checks each candidate's output against the table
-configuration's, and prints per forward BLOCK_M the best entry of configs.BACKWARD.
+configuration's, and prints per forward BLOCK_M the best entry of configs.BACKWARD. On Hopper the
+d [gate, up] GEMM's candidates include the Gluon kernel at several pipeline depths, a choice of
+its own beside the Triton kernel's tilings.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ BACKWARD_KERNELS = ("grad_gate_up", "grad_x", "grad_w1", "grad_w2")
 _WEIGHT_GRAD_TILES = ((64, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8))
 WEIGHT_GRAD_CANDIDATES = [(bm, bn, bk, 8, w, st) for bm, bn, w in _WEIGHT_GRAD_TILES for bk in (32, 64, 128)
                           for st in (4, 5)]
+# grad_gate_up on Hopper also tries the Gluon kernel (`BackwardConfig.gluon_stages`) with these
+# pipeline depths where a case suits it; its Triton candidates run with gluon_stages 0.
+GLUON_GRAD_GATE_UP_STAGES = (4, 5, 6)
 # Candidates whose outputs differ more than this from the table configuration's are marked wrong.
 SWEEP_MAX_REL_DIFF = 1e-2
 
@@ -147,13 +152,14 @@ def _best_times(rows, case) -> dict:
     return best
 
 
-def _least_total(rows, best, case, cls, num_cases):
+def _least_total(rows, best, case, cls, num_cases, extra=()):
     """(score, config values) of the configuration of class `cls` among `rows` with the least
     score, the sum over cases of time / (that case's time in `best`); only configurations that ran
-    on all `num_cases` cases compete. None when none did."""
+    on all `num_cases` cases compete. None when none did. `extra`: row fields that tell apart
+    configurations with the same values (their values follow the class's)."""
     scores = {}
     for r in rows:
-        scores.setdefault(_config_values(cls, r), []).append(r["ms"] / best[case(r)])
+        scores.setdefault(_config_values(cls, r) + tuple(r[f] for f in extra), []).append(r["ms"] / best[case(r)])
     complete = [(sum(v), cfg) for cfg, v in scores.items() if len(v) == num_cases]
     return min(complete) if complete else None
 
@@ -200,6 +206,17 @@ def _backward_candidates(current, block_m, element_size, device, quick) -> list:
         cands = [configs.WeightGradConfig(*c) for c in WEIGHT_GRAD_CANDIDATES
                  if _weight_grad_fits(c, element_size, device)]
     return list(dict.fromkeys([current, *cands]))[: 2 if quick else None]
+
+
+def _kernel_candidates(kernel, current, table_plan, t, device, element_size, quick) -> list:
+    """(configuration, gluon_stages) pairs a backward GEMM is timed with: `_backward_candidates`
+    (grad_gate_up's on the Triton kernel, gluon_stages 0), then for grad_gate_up the Gluon kernel
+    at GLUON_GRAD_GATE_UP_STAGES where the case suits it (sm90, 16-bit, its layout)."""
+    cands = [(c, 0) for c in _backward_candidates(current, table_plan.block_m, element_size, device, quick)]
+    if (kernel == "grad_gate_up" and device.capability == 90 and element_size == 2
+            and backward.gluon_grad_gate_up_ok(table_plan, t["grad_out"], t["w2"], False)):
+        cands += [(current, stages) for stages in GLUON_GRAD_GATE_UP_STAGES]
+    return cands
 
 
 def _backward_outputs(kernel, plan, dtype, device) -> dict:
@@ -260,9 +277,11 @@ def backward_sweep(args, shapes, tokens, device, dtype):
             ref = _backward_outputs(kernel, table_plan, dtype, device)
             _backward_launch(kernel, table_plan, t, ref)()
             current = getattr(table_plan.config, kernel)
-            for cand in _backward_candidates(current, table_plan.block_m, element_size, info, args.quick):
+            for cand, gluon_stages in _kernel_candidates(kernel, current, table_plan, t, info, element_size,
+                                                         args.quick):
+                changes = {kernel: cand, **({"gluon_stages": gluon_stages} if kernel == "grad_gate_up" else {})}
                 plan = backward.BackwardPlan(x, w1, w2, ids, block_expert, sorted_pairs,
-                                             dataclasses.replace(table_plan.config, **{kernel: cand}))
+                                             dataclasses.replace(table_plan.config, **changes))
                 out = _backward_outputs(kernel, plan, dtype, device)
                 ms, error = _time_candidate(_backward_launch(kernel, plan, t, out))
                 rel_diff = _outputs_rel_diff(out, ref) if error is None else None
@@ -270,8 +289,8 @@ def backward_sweep(args, shapes, tokens, device, dtype):
                     error = f"wrong: outputs differ from the table configuration's by {rel_diff:.1e}"
                 # block_m: the kernel's BLOCK_M (the weight gradients' own, the layout's for the others).
                 rows.append({"shape": name, "T": T, "forward_block_m": table_plan.block_m, "kernel": kernel,
-                             "block_m": table_plan.block_m, **dataclasses.asdict(cand), "ms": ms,
-                             "rel_diff": rel_diff, "error": error})
+                             "block_m": table_plan.block_m, **dataclasses.asdict(cand),
+                             "gluon_stages": gluon_stages, "ms": ms, "rel_diff": rel_diff, "error": error})
                 del out
             t.update(ref)  # the next kernels read these
             del ref
@@ -292,15 +311,23 @@ def _best_backward_table(rows, table, family, element_size, dtype) -> str:
     for block_m in sorted({r["forward_block_m"] for r in rows}):
         in_bucket = [r for r in ok if r["forward_block_m"] == block_m]
         num_cases = len({(r["shape"], r["T"]) for r in rows if r["forward_block_m"] == block_m})
-        picked, kept = [], []
+        picked, kept, gluon_stages = [], [], table[block_m].gluon_stages
         for kernel in BACKWARD_KERNELS:
             current = getattr(table[block_m], kernel)
+            # grad_gate_up's rows tell the Triton kernel (gluon_stages 0) from the Gluon one.
+            extra = ("gluon_stages",) if kernel == "grad_gate_up" else ()
             choice = _least_total([r for r in in_bucket if r["kernel"] == kernel], best, case, type(current),
-                                  num_cases)
+                                  num_cases, extra)
             if choice is None:
                 kept.append(kernel)
-            picked.append(("G" if isinstance(current, configs.GemmConfig) else "W")
-                          + str(choice[1] if choice else dataclasses.astuple(current)))
+                values = dataclasses.astuple(current)
+            else:
+                values = choice[1][:len(choice[1]) - len(extra)]
+                if extra:
+                    gluon_stages = choice[1][-1]
+            picked.append(("G" if isinstance(current, configs.GemmConfig) else "W") + str(values))
+        if gluon_stages:
+            picked.append(f"gluon_stages={gluon_stages}")
         note = f"  # the table's {', '.join(kept)}: no candidate right on every case" if kept else ""
         lines.append(f"BACKWARD[{family}][{element_size}][{block_m}] = B({', '.join(picked)}){note}")
     return "\n".join(lines)
