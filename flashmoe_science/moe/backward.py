@@ -80,7 +80,8 @@ class BackwardPlan:
     the CPU interpreter emulates descriptor loads); each launch still checks its tensors."""
 
     __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "block_m", "num_blocks", "config",
-                 "copy_x", "copy_w1", "copy_w2", "grad_gate_up_tiles", "grids", "device_index", "tma")
+                 "copy_x", "copy_w1", "copy_w2", "grad_gate_up_tiles", "grids", "device_index", "tma",
+                 "grad_gate_up_gluon")
 
     def __init__(self, x, w1, w2, topk_ids, block_expert, sorted_pairs,
                  config: configs.BackwardConfig | None = None):
@@ -106,6 +107,9 @@ class BackwardPlan:
             "grad_w2": (E * -(-H // cfg.grad_w2.block_m) * -(-I // cfg.grad_w2.block_n), 1, 1),
         }
         self.device_index = x.device.index if x.device.type == "cuda" else None
+        # Whether the configuration's Gluon grad_gate_up runs: decided at the first launch, from
+        # facts of d out and w2 that the down backward's plan key holds.
+        self.grad_gate_up_gluon = None
 
 
 _PLANS = PlanCache()
@@ -137,7 +141,10 @@ def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_
     into grad_weight_parts (plan.grad_gate_up_tiles, T * k) fp32, and with need_weight_grads
     w_p * h_p (layout rows, I) into weighted_h and each row's token into row_tokens (layout rows,)."""
     g = plan.config.grad_gate_up
-    if plan.config.gluon_stages and gluon_grad_gate_up_ok(plan, grad_out, w2, interleaved):
+    if plan.grad_gate_up_gluon is None:
+        plan.grad_gate_up_gluon = bool(plan.config.gluon_stages) and gluon_grad_gate_up_ok(plan, grad_out, w2,
+                                                                                            interleaved)
+    if plan.grad_gate_up_gluon:
         _launch_grad_gate_up_gluon(key, plan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs, block_expert,
                                    block_rows, grad_gate_up, weighted_h if need_weight_grads else h, row_tokens,
                                    grad_weight_parts, need_weight_grads)
