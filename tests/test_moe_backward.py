@@ -526,16 +526,17 @@ def test_backward_deterministic_and_no_host_sync():
         assert torch.equal(a, b)
 
 
-# (name, E, k, H, I, T): loads of 128-row blocks and H >= I, where Hopper runs the Gluon grad_gate_up;
-# I = 2880 (gpt-oss's width) ends in a partial column tile.
+# (name, E, k, H, I, T): loads of 128-row blocks and H >= I, where Hopper runs the Gluon grad_gate_up
+# and weight gradients; I = 2880 (gpt-oss's width) ends in a partial column tile of both.
 GLUON_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 2048), ("i-2880", 8, 2, 3072, 2880, 1024)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,E,k,H,I,T", GLUON_SHAPES)
-def test_gluon_grad_gate_up_gradients(name, E, k, H, I, T):
-    """The Gluon d [gate, up] kernel (sm90) against the float64 reference: every gradient, with a
-    dropped slot (id -1) and an idle expert, and the kernel it ran named."""
+def test_gluon_backward_gradients(name, E, k, H, I, T):
+    """The Gluon d [gate, up] and weight-gradient kernels (sm90) against the float64 reference: every
+    gradient, with a dropped slot (id -1) and an idle expert (its weight gradients zero), and the
+    kernels it ran named."""
     if info_for(torch.empty(0, device="cuda")).capability != 90:
         pytest.skip("the Gluon backward kernel runs on sm90")
     x, w1, w2 = make_layer(T, E, H, I, torch.bfloat16, "cuda")
@@ -547,28 +548,32 @@ def test_gluon_grad_gate_up_gradients(name, E, k, H, I, T):
     clear_records()
     _, grads = grads_of(lambda x, w1, w2, w: fused_experts(x, w1, w2, w, ids), inputs, grad_out)
     assert last_launch("moe_grad_gate_up_gluon") is not None and last_launch("moe_grad_gate_up") is None
+    for name in ("grad_w1", "grad_w2"):
+        assert last_launch(f"moe_{name}_gluon") is not None and last_launch(f"moe_{name}") is None
+    assert not grads[1][E - 1].any() and not grads[2][E - 1].any()
     _, torch_grads = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids), leaves(*inputs), grad_out)
     _, ref = grads_of(lambda x, w1, w2, w: fused_experts_torch(x, w1, w2, w, ids),
                       leaves(*(t.double() for t in inputs)), grad_out.double())
     check_grads(grads, ref, torch_grads, ("x", "w1", "w2", "topk_weights"), atol=1e-3)
 
 
-def test_gluon_grad_gate_up_needs_the_gpu_and_its_layout(device, poisoned, forced_backward):  # noqa: F811
-    """A configuration asking for the Gluon d [gate, up] kernel runs the Triton one where the Gluon
-    kernel cannot: in the interpreter (and on the CPU), over blocks other than 128 rows."""
-    forced_backward(lambda cfg: dataclasses.replace(cfg, gluon_stages=5))
+def test_gluon_backward_needs_the_gpu_and_its_layout(device, poisoned, forced_backward):  # noqa: F811
+    """A configuration asking for the Gluon backward kernels runs the Triton ones where the Gluon
+    kernels cannot: in the interpreter (and on the CPU), over blocks other than 128 rows."""
+    forced_backward(lambda cfg: dataclasses.replace(cfg, gluon_stages=5, gluon_weight_grad_stages=3))
     T, E, k, H, I = 37, 4, 2, 64, 32
     x, w1, w2 = make_layer(T, E, H, I, torch.float16, device)
     inputs = leaves(x, w1, w2, torch.randn(T, E, device=device))
     clear_records()
     torch.autograd.grad(fused_moe(*inputs, k).square().sum(), inputs)
-    assert last_launch("moe_grad_gate_up") is not None and last_launch("moe_grad_gate_up_gluon") is None
+    for name in ("grad_gate_up", "grad_w1", "grad_w2"):
+        assert last_launch(f"moe_{name}") is not None and last_launch(f"moe_{name}_gluon") is None
 
 
 @pytest.mark.gpu
-def test_gluon_grad_gate_up_backward_replays_in_a_cuda_graph():
-    """forward+backward with the Gluon d [gate, up] kernel, captured in a CUDA graph: its replay
-    gives the eager call's gradients bit for bit."""
+def test_gluon_backward_replays_in_a_cuda_graph():
+    """forward+backward with the Gluon d [gate, up] and weight-gradient kernels, captured in a CUDA
+    graph: its replay gives the eager call's gradients bit for bit."""
     if info_for(torch.empty(0, device="cuda")).capability != 90:
         pytest.skip("the Gluon backward kernel runs on sm90")
     T, E, k, H, I = 2048, 16, 2, 512, 256
@@ -581,7 +586,8 @@ def test_gluon_grad_gate_up_backward_replays_in_a_cuda_graph():
 
     clear_records()
     eager = step()
-    assert last_launch("moe_grad_gate_up_gluon") is not None
+    for name in ("grad_gate_up", "grad_w1", "grad_w2"):
+        assert last_launch(f"moe_{name}_gluon") is not None
     graph, captured = captured_graph(step)
     for g in captured:
         g.fill_(float("nan"))

@@ -61,7 +61,7 @@ from ..tma import addressable, unchecked_descriptor
 from . import configs, experts, routing
 from ._kernels import backward_gluon
 from ._kernels.backward import gather_rows_kernel, grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
-from ._kernels.backward_gluon import grad_gate_up_gluon_kernel
+from ._kernels.backward_gluon import grad_gate_up_gluon_kernel, weight_grad_gluon_kernel
 
 _GRAD_GATE_UP = KernelLauncher("moe_grad_gate_up", grad_gate_up_kernel, fp32_dots=True)
 _GRAD_X = KernelLauncher("moe_grad_x", grad_x_kernel, fp32_dots=True)
@@ -69,6 +69,8 @@ _GRAD_W1 = KernelLauncher("moe_grad_w1", grad_w1_kernel, fp32_dots=True)
 _GRAD_W2 = KernelLauncher("moe_grad_w2", grad_w2_kernel, fp32_dots=True)
 _GATHER_ROWS = KernelLauncher("moe_gather_rows", gather_rows_kernel)
 _GRAD_GATE_UP_GLUON = KernelLauncher("moe_grad_gate_up_gluon", grad_gate_up_gluon_kernel)
+_WEIGHT_GRAD_GLUON = {name: KernelLauncher(f"moe_{name}_gluon", weight_grad_gluon_kernel)
+                      for name in ("grad_w1", "grad_w2")}
 
 
 class BackwardPlan:
@@ -81,7 +83,7 @@ class BackwardPlan:
 
     __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "block_m", "num_blocks", "config",
                  "copy_x", "copy_w1", "copy_w2", "grad_gate_up_tiles", "grids", "device_index", "tma",
-                 "grad_gate_up_gluon")
+                 "grad_gate_up_gluon", "weight_grad_gluon")
 
     def __init__(self, x, w1, w2, topk_ids, block_expert, sorted_pairs,
                  config: configs.BackwardConfig | None = None):
@@ -110,6 +112,9 @@ class BackwardPlan:
         # Whether the configuration's Gluon grad_gate_up runs: decided at the first launch, from
         # facts of d out and w2 that the down backward's plan key holds.
         self.grad_gate_up_gluon = None
+        # Whether each weight gradient (grad_w1, grad_w2) runs the Gluon kernel: decided at its
+        # first launch, from facts of its operands that the plan's key holds.
+        self.weight_grad_gluon = {}
 
 
 _PLANS = PlanCache()
@@ -176,16 +181,18 @@ def gluon_box_layout(rows: int, cols: int):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
+def _gluon_descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A Gluon TMA descriptor of 2-D tensor t (addressable) in boxes of (rows, cols)."""
+    return unchecked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [rows, cols],
+                                gluon_box_layout(rows, cols))
+
+
 def _launch_grad_gate_up_gluon(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs,
                                block_expert, block_rows, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
                                need_weight_grads: bool) -> None:
     """launch_grad_gate_up on the Gluon kernel (not interleaved; weighted_h: any (rows, I) tensor
     when need_weight_grads is off, unwritten)."""
-
-    def describe(t, rows, cols):
-        return unchecked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [rows, cols],
-                                    gluon_box_layout(rows, cols))
-
+    describe = _gluon_descriptor
     bg = backward_gluon
     H, I, E = plan.hidden, plan.inter, plan.num_experts
     tile_m, epilogue_n = bg.TILE_M.value, bg.EPILOGUE_N.value
@@ -238,10 +245,50 @@ def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, dense
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=plan.device_index)
 
 
+def gluon_weight_grad_ok(plan: BackwardPlan, name: str, gathered, dense, grad) -> bool:
+    """Whether `backward_gluon.weight_grad_gluon_kernel` can run weight gradient `name` (grad_w1 or
+    grad_w2) of this call: on the GPU, over 128-row blocks, the gradient (E, M, N) contiguous with
+    M a multiple of the tile's rows, and TMA able to address it, the layout-order operand `dense`
+    and the rows of the operand `gathered` by token (16-byte aligned, for its cp.async copies)."""
+    tile_m = backward_gluon.TILE_M.value
+    return (grad.is_cuda and not interpreter_active() and plan.block_m == tile_m and grad.shape[1] % tile_m == 0
+            and grad.is_contiguous() and addressable(grad.view(-1, grad.shape[2]), dense, gathered))
+
+
+def _weight_grad_gluon(plan: BackwardPlan, name: str, gathered, dense, grad) -> bool:
+    """Whether weight gradient `name` runs the Gluon kernel (the configuration asks, the call suits
+    it), decided once per plan."""
+    ok = plan.weight_grad_gluon.get(name)
+    if ok is None:
+        ok = plan.weight_grad_gluon[name] = (bool(plan.config.gluon_weight_grad_stages)
+                                             and gluon_weight_grad_ok(plan, name, gathered, dense, grad))
+    return ok
+
+
+def _launch_weight_grad_gluon(key, plan: BackwardPlan, name: str, gathered, dense, grad, row_tokens,
+                              expert_blocks) -> None:
+    """Weight gradient `name` on the Gluon kernel: grad (E, M, N) = dense[rows of e].T @
+    gathered[tokens of e] (grad_w1) or gathered[tokens of e].T @ dense[rows of e] (grad_w2)."""
+    bg = backward_gluon
+    E, M, N = grad.shape
+    tiles = E * (M // bg.TILE_M.value) * -(-N // bg.WEIGHT_GRAD_N.value)
+    dense_cols = bg.WEIGHT_GRAD_N.value if name == "grad_w2" else bg.HALF_M.value
+    _WEIGHT_GRAD_GLUON[name].launch(
+        key, (min(tiles, info_for(grad).sm_count), 1, 1),
+        (gathered, _gluon_descriptor(dense, bg.BLOCK_K.value, dense_cols),
+         _gluon_descriptor(grad.view(E * M, N), bg.HALF_M.value, bg.WEIGHT_GRAD_N.value), row_tokens, expert_blocks,
+         E, M, N, plan.hidden, gathered.stride(0), name == "grad_w2", getattr(plan.config, name).group_m,
+         plan.config.gluon_weight_grad_stages),
+        num_warps=4, num_stages=1, device_index=plan.device_index)
+
+
 def launch_grad_w1(key, plan: BackwardPlan, grad_gate_up, x, grad_w1, row_tokens, expert_blocks) -> None:
     """grad_w1 (E, 2I, H), any strides: grad_w1[e] = grad_gate_up[rows of e].T @ x[tokens of e].
     With the configuration's gather_x (and TMA), x is first copied into layout order
     (`gather_x_rows`) and read from there as dense tiles."""
+    if _weight_grad_gluon(plan, "grad_w1", x, grad_gate_up, grad_w1):
+        _launch_weight_grad_gluon(key, plan, "grad_w1", x, grad_gate_up, grad_w1, row_tokens, expert_blocks)
+        return
     g = plan.config.grad_w1
     if plan.tma and plan.config.gather_x:
         x_rows = routing.allocate((row_tokens.numel(), plan.hidden), x.dtype, x.device)
@@ -267,6 +314,9 @@ def gather_x_rows(key, plan: BackwardPlan, x, row_tokens, x_rows) -> None:
 
 def launch_grad_w2(key, plan: BackwardPlan, grad_out, weighted_h, grad_w2, row_tokens, expert_blocks) -> None:
     """grad_w2 (E, H, I), any strides: grad_w2[e] = grad_out[tokens of e].T @ weighted_h[rows of e]."""
+    if _weight_grad_gluon(plan, "grad_w2", grad_out, weighted_h, grad_w2):
+        _launch_weight_grad_gluon(key, plan, "grad_w2", grad_out, weighted_h, grad_w2, row_tokens, expert_blocks)
+        return
     g = plan.config.grad_w2
     _launch_weight_grad(_GRAD_W2, "grad_w2", key, plan, (grad_out, weighted_h, grad_w2), {1: (g.block_k, g.block_n)},
                         grad_out.stride(0), row_tokens, expert_blocks)

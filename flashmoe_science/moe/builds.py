@@ -108,6 +108,8 @@ def _builds(capability: int):
             g, x = cfg.grad_gate_up, cfg.grad_x
             if cfg.gluon_stages and capability == 90 and not tma:
                 yield _grad_gate_up_gluon_build(dtype, block_m, cfg)
+            if cfg.gluon_weight_grad_stages and capability == 90 and not tma:
+                yield from _weight_grad_gluon_builds(dtype, block_m, cfg)
             # gpt-oss's experts, as for the forward: weights stored transposed (the unit stride along
             # their rows, N) and gate and up rows interleaved, on the pointer path; our layout's unit
             # stride along K.
@@ -241,6 +243,30 @@ def _grad_gate_up_gluon_build(dtype, block_m, cfg):
     return KernelBuild(f"moe_grad_gate_up_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_stages} "
                        f"GROUP_M={cfg.grad_gate_up.group_m}", fn, signature, constexprs, 4, 1,
                        aligned=("grad_out_ptr", "grad_gate_up_ptr", "stride_gt", "I"))
+
+
+def _weight_grad_gluon_builds(dtype, block_m, cfg):
+    """The Gluon weight-gradient kernel of backward configuration `cfg` (sm90), for d w1 and d w2."""
+    from ._kernels import backward_gluon as bg
+    from ._kernels.backward_gluon import weight_grad_gluon_kernel
+    from .backward import gluon_box_layout
+
+    def descriptor(rows, cols):
+        return f"tensordesc<{dtype}[{rows},{cols}],{gluon_box_layout(rows, cols)!r}>"
+
+    fn = weight_grad_gluon_kernel
+    for gathered_a, name in ((False, "grad_w1"), (True, "grad_w2")):
+        constexprs = dict(GATHERED_A=gathered_a, GROUP_M=getattr(cfg, name).group_m,
+                          NUM_STAGES=cfg.gluon_weight_grad_stages)
+        signature = {name: "i32" for name in fn.arg_names}
+        dense_cols = bg.WEIGHT_GRAD_N.value if gathered_a else bg.HALF_M.value
+        signature.update(gathered_ptr=f"*{dtype}", desc_dense=descriptor(bg.BLOCK_K.value, dense_cols),
+                         desc_out=descriptor(bg.HALF_M.value, bg.WEIGHT_GRAD_N.value), row_tokens_ptr="*i32",
+                         expert_blocks_ptr="*i32")
+        signature.update({name: "constexpr" for name in constexprs})
+        yield KernelBuild(f"moe_{name}_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_weight_grad_stages} "
+                          f"GROUP_M={constexprs['GROUP_M']}", fn, signature, constexprs, 4, 1,
+                          aligned=("gathered_ptr", "stride_g", "gathered_cols", "N"))
 
 
 def _fp8_gluon_builds(cfg):

@@ -158,11 +158,18 @@ class BackwardConfig:
     # buffers and grad_gate_up's group_m, where the call suits it (`backward.gluon_grad_gate_up_ok`);
     # other calls run the Triton kernel with grad_gate_up's tiling.
     gluon_stages: int = 0
+    # gluon_weight_grad_stages > 0: grad_w1 and grad_w2 run the Gluon weight-gradient kernel
+    # (`_kernels/backward_gluon.py`, sm90: persistent, warp-specialised, 128 x 256 tiles) with
+    # this many pipeline buffers and the weight gradients' group_m, where the call suits it
+    # (`backward.gluon_weight_grad_ok`); other calls run the Triton kernels with their tilings.
+    gluon_weight_grad_stages: int = 0
 
     def __str__(self) -> str:
         return (f"grad_gate_up[{self.grad_gate_up}] grad_x[{self.grad_x}] grad_w1[{self.grad_w1}] "
                 f"grad_w2[{self.grad_w2}]" + (" tma" if self.tma else "") + (" gather_x" if self.gather_x else "")
-                + (f" gluon_stages={self.gluon_stages}" if self.gluon_stages else ""))
+                + (f" gluon_stages={self.gluon_stages}" if self.gluon_stages else "")
+                + (f" gluon_weight_grad_stages={self.gluon_weight_grad_stages}"
+                   if self.gluon_weight_grad_stages else ""))
 
 
 # The backward runs over the forward's layout (its saved intermediates are in layout order),
@@ -214,9 +221,19 @@ _BACKWARD_FP32 = {
 # Mixtral-8x7B (H < I, the BACKWARD_GATHER_X entry) keeps the Triton kernel: 8.63 against 9.42 ms
 # at 16k tokens (its 4096-deep K loop runs slower in the Gluon kernel than the Triton kernel's
 # epilogue costs).
+# The Gluon weight-gradient kernel (gluon_weight_grad_stages; its three buffers, 213 KB with its
+# output's, are all that fit) runs at every prefill shape: d w1 and d w2 alone, inside
+# forward+backward on an H200 (benchmarks/results/moe_weight_grad_gluon.json, the Triton kernels
+# alternating with it in the same run, the same bits of every output and gradient), Triton -> Gluon:
+# Qwen3-30B-A3B at 4096 tokens 1.105 -> 0.806 ms, at 16k 2.55-2.66 -> 2.25-2.27, DeepSeek-V2-Lite
+# at 16k 3.53-3.65 -> 2.92-3.00, OLMoE-1B-7B 3.14-3.26 -> 2.87-2.89 (its d w2 0.87-0.89 -> 0.95-0.96),
+# Mixtral-8x7B at 8192 9.66-9.81 -> 9.60-9.77 (d w1 6.20-6.30 against the gather_x kernel's
+# 6.53-6.69, d w2 3.41-3.45 -> 3.07-3.09). The whole layer's step replayed from a CUDA graph:
+# 2.84-2.86 -> 2.57-2.58 ms at 4096 tokens on Qwen3-30B-A3B, 10.53-10.60 -> 10.01-10.02 on
+# DeepSeek-V2-Lite at 16k (moe_weight_grad_gluon/wg_prof.json).
 _HOPPER_BACKWARD = {**_BACKWARD_LARGE_SMEM,
                     128: replace(_BACKWARD_LARGE_SMEM[128], grad_gate_up=G(128, 64, 8, 8, 6), tma=True,
-                                 gluon_stages=5)}
+                                 gluon_stages=5, gluon_weight_grad_stages=3)}
 BACKWARD = {
     90: {2: _HOPPER_BACKWARD, 4: _BACKWARD_FP32},
     80: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},

@@ -44,9 +44,13 @@ BACKWARD_KERNELS = ("grad_gate_up", "grad_x", "grad_w1", "grad_w2")
 _WEIGHT_GRAD_TILES = ((64, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8))
 WEIGHT_GRAD_CANDIDATES = [(bm, bn, bk, 8, w, st) for bm, bn, w in _WEIGHT_GRAD_TILES for bk in (32, 64, 128)
                           for st in (4, 5)]
-# grad_gate_up on Hopper also tries the Gluon kernel (`BackwardConfig.gluon_stages`) with these
-# pipeline depths where a case suits it; its Triton candidates run with gluon_stages 0.
-GLUON_GRAD_GATE_UP_STAGES = (4, 5, 6)
+# On Hopper, grad_gate_up also tries its Gluon kernel (`BackwardConfig.gluon_stages`) and the weight
+# gradients theirs (`BackwardConfig.gluon_weight_grad_stages`, one kernel for both, whose three
+# buffers are all that fit) at these pipeline depths where a case suits it; their Triton candidates
+# run with the field 0.
+GLUON_FIELD = {"grad_gate_up": "gluon_stages", "grad_w1": "gluon_weight_grad_stages",
+               "grad_w2": "gluon_weight_grad_stages"}
+GLUON_STAGES = {"grad_gate_up": (4, 5, 6), "grad_w1": (3,), "grad_w2": (3,)}
 # Candidates whose outputs differ more than this from the table configuration's are marked wrong.
 SWEEP_MAX_REL_DIFF = 1e-2
 
@@ -208,14 +212,23 @@ def _backward_candidates(current, block_m, element_size, device, quick) -> list:
     return list(dict.fromkeys([current, *cands]))[: 2 if quick else None]
 
 
-def _kernel_candidates(kernel, current, table_plan, t, device, element_size, quick) -> list:
-    """(configuration, gluon_stages) pairs a backward GEMM is timed with: `_backward_candidates`
-    (grad_gate_up's on the Triton kernel, gluon_stages 0), then for grad_gate_up the Gluon kernel
-    at GLUON_GRAD_GATE_UP_STAGES where the case suits it (sm90, 16-bit, its layout)."""
+def _gluon_suits(kernel, table_plan, t, out) -> bool:
+    """Whether backward GEMM `kernel`'s Gluon kernel can run this case (`out`: its output buffers)."""
+    if kernel == "grad_gate_up":
+        return backward.gluon_grad_gate_up_ok(table_plan, t["grad_out"], t["w2"], False)
+    if kernel == "grad_w1":
+        return backward.gluon_weight_grad_ok(table_plan, kernel, t["x"], t["grad_gate_up"], out["grad_w1"])
+    return backward.gluon_weight_grad_ok(table_plan, kernel, t["grad_out"], t["weighted_h"], out["grad_w2"])
+
+
+def _kernel_candidates(kernel, current, table_plan, t, out, device, element_size, quick) -> list:
+    """(configuration, Gluon stages) pairs a backward GEMM is timed with: `_backward_candidates` on
+    the Triton kernel (stages 0), then the kernel's Gluon one (if it has one) at GLUON_STAGES where
+    the case suits it (sm90, 16-bit, its layout)."""
     cands = [(c, 0) for c in _backward_candidates(current, table_plan.block_m, element_size, device, quick)]
-    if (kernel == "grad_gate_up" and device.capability == 90 and element_size == 2
-            and backward.gluon_grad_gate_up_ok(table_plan, t["grad_out"], t["w2"], False)):
-        cands += [(current, stages) for stages in GLUON_GRAD_GATE_UP_STAGES]
+    if (kernel in GLUON_FIELD and device.capability == 90 and element_size == 2
+            and _gluon_suits(kernel, table_plan, t, out)):
+        cands += [(current, stages) for stages in GLUON_STAGES[kernel]]
     return cands
 
 
@@ -277,9 +290,9 @@ def backward_sweep(args, shapes, tokens, device, dtype):
             ref = _backward_outputs(kernel, table_plan, dtype, device)
             _backward_launch(kernel, table_plan, t, ref)()
             current = getattr(table_plan.config, kernel)
-            for cand, gluon_stages in _kernel_candidates(kernel, current, table_plan, t, info, element_size,
+            for cand, gluon_stages in _kernel_candidates(kernel, current, table_plan, t, ref, info, element_size,
                                                          args.quick):
-                changes = {kernel: cand, **({"gluon_stages": gluon_stages} if kernel == "grad_gate_up" else {})}
+                changes = {kernel: cand, **({GLUON_FIELD[kernel]: gluon_stages} if kernel in GLUON_FIELD else {})}
                 plan = backward.BackwardPlan(x, w1, w2, ids, block_expert, sorted_pairs,
                                              dataclasses.replace(table_plan.config, **changes))
                 out = _backward_outputs(kernel, plan, dtype, device)
@@ -311,11 +324,13 @@ def _best_backward_table(rows, table, family, element_size, dtype) -> str:
     for block_m in sorted({r["forward_block_m"] for r in rows}):
         in_bucket = [r for r in ok if r["forward_block_m"] == block_m]
         num_cases = len({(r["shape"], r["T"]) for r in rows if r["forward_block_m"] == block_m})
-        picked, kept, gluon_stages = [], [], table[block_m].gluon_stages
+        picked, kept = [], []
+        gluon = {field: getattr(table[block_m], field) for field in GLUON_FIELD.values()}
+        chosen = {}  # the Gluon stages each kernel with one picked
         for kernel in BACKWARD_KERNELS:
             current = getattr(table[block_m], kernel)
-            # grad_gate_up's rows tell the Triton kernel (gluon_stages 0) from the Gluon one.
-            extra = ("gluon_stages",) if kernel == "grad_gate_up" else ()
+            # The rows of a kernel with a Gluon one tell the Triton kernel (gluon_stages 0) from it.
+            extra = ("gluon_stages",) if kernel in GLUON_FIELD else ()
             choice = _least_total([r for r in in_bucket if r["kernel"] == kernel], best, case, type(current),
                                   num_cases, extra)
             if choice is None:
@@ -324,10 +339,14 @@ def _best_backward_table(rows, table, family, element_size, dtype) -> str:
             else:
                 values = choice[1][:len(choice[1]) - len(extra)]
                 if extra:
-                    gluon_stages = choice[1][-1]
+                    chosen[kernel] = choice[1][-1]
             picked.append(("G" if isinstance(current, configs.GemmConfig) else "W") + str(values))
-        if gluon_stages:
-            picked.append(f"gluon_stages={gluon_stages}")
+        for field in gluon:  # the weight gradients share theirs: the Gluon one if either picked it
+            stages = [chosen[k] for k in GLUON_FIELD if GLUON_FIELD[k] == field and k in chosen]
+            if stages:
+                gluon[field] = max(stages)
+            if gluon[field]:
+                picked.append(f"{field}={gluon[field]}")
         note = f"  # the table's {', '.join(kept)}: no candidate right on every case" if kept else ""
         lines.append(f"BACKWARD[{family}][{element_size}][{block_m}] = B({', '.join(picked)}){note}")
     return "\n".join(lines)

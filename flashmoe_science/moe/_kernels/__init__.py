@@ -1,4 +1,4 @@
-"""Triton (and, for Hopper's FP8 prefill and d [gate, up], Gluon) kernels of the fused MoE forward and backward.
+"""Triton (and, for Hopper's FP8 prefill and backward GEMMs, Gluon) kernels of the fused MoE forward and backward.
 Private: the public modules one level up hold the contract (argument checks, allocation,
 configuration, launch); these files hold the algorithm.
 
@@ -16,7 +16,8 @@ configuration, launch); these files hold the algorithm.
 - `backward.py`: the backward GEMMs over the same layout (activation gradient, input gradient,
   and the per-expert weight gradients), and the copy of x into layout order that dW1 reads
   where its configuration asks (`gather_rows_kernel`).
-- `backward_gluon.py`: the first of those GEMMs (d [gate, up]) for Hopper prefill in Gluon
-  (warp-specialised, persistent, dY rows gathered by copy warps, one consumer's epilogue
-  overlapping the other's products).
+- `backward_gluon.py`: d [gate, up] and the weight gradients for Hopper prefill in Gluon
+  (warp-specialised, persistent, token rows gathered by copy warps; d [gate, up]'s consumers
+  alternate tiles, one's epilogue overlapping the other's products; the weight gradients' share
+  each tile, its store overlapping the next tile's products).
 """

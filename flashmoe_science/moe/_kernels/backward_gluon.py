@@ -1,5 +1,8 @@
-"""The backward's d [gate, up] GEMM for Hopper (sm90) in Gluon: persistent, warp-specialised, its
-epilogue overlapped with the next tile's products.
+"""The backward's GEMMs for Hopper (sm90) in Gluon, persistent and warp-specialised: d [gate, up]
+(`grad_gate_up_gluon_kernel`), its epilogue overlapped with the next tile's products, and the
+weight gradients d w1 and d w2 (`weight_grad_gluon_kernel`, below).
+
+d [gate, up]:
 
 It computes what `backward.grad_gate_up_kernel` computes, tile for tile (see that kernel for the
 formulas and the outputs' layouts): a = dY[tokens of the block's rows] @ w2[e][:, n-tile], then an
@@ -26,6 +29,26 @@ Rows: one tile is one 128-row block of the forward's layout; padding rows read a
 copies fill zeros) and are written as zeros, as are the blocks past the last expert. Columns past
 I read as zeros (the descriptor's bounds) and are not written. w2 is viewed as (E * H, I), so H
 must be a multiple of BLOCK_K for a box never to cross an expert.
+
+Weight gradients: out[e] = A[rows of e].T @ B[rows of e], K = the expert's layout rows, as
+`backward.grad_w1_kernel` and `grad_w2_kernel` (d w1: A = d [gate, up] in layout order, B = x
+gathered by token; d w2: A = dY gathered by token, B = w_p * h_p in layout order). The Triton
+kernels run one program per (expert, tile) whose gathered operand Triton pipelines at most 3 loads
+deep, with the output written after each tile's products. Here, with tiles of TILE_M x
+WEIGHT_GRAD_N (CUTLASS's cooperative Hopper GEMM):
+- a producer partition of GATHER_WARPS warps fills NUM_STAGES buffers: the layout-order operand by
+  TMA, the gathered one by 16-byte cp.async copies signalled on the same `ready` mbarrier, zeros on
+  padding rows (token -1);
+- two consumer warpgroups each take HALF_M rows of every tile (one m64n256 wgmma a 16-deep slice,
+  as A's halves lie in buffers of their own) and release a buffer once both have read it;
+- each consumer stores its (HALF_M, WEIGHT_GRAD_N) part by TMA from shared memory, waited on only
+  before the buffer is written again, so the store runs under the next tile's products; an expert
+  without rows gets zeros.
+Persistent over tiles in `backward._expert_rows`' order (experts in turn), so the producer copies
+the next tile's first rows during a tile's last products and store: at 4096 tokens an expert of
+Qwen3-30B-A3B has 4 row steps a tile, where a program per tile spends much of its time filling its
+pipeline. Each output element is one tile's sum over the rows in order, as in the Triton kernels
+(the same bits in every case measured: benchmarks/results/moe_weight_grad_gluon.json).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -33,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .backward import _expert_rows
 from .fp8_gluon import _tile
 from .offsets import wide_offset
 
@@ -276,3 +300,127 @@ def grad_gate_up_gluon_kernel(
         (_gather_producer, (grad_out_ptr, desc_w2, a_smem, b_smem, ready, empty, sorted_pairs_ptr, block_expert_ptr,
                             block_rows_ptr, num_blocks_m, num_tiles_n, H, top_k, stride_gt, GROUP_M, NUM_STAGES)),
     ], [4, GATHER_WARPS], [REGS_CONSUMER, REGS_PRODUCER])
+
+
+# The weight gradients' kernel: tiles of TILE_M x WEIGHT_GRAD_N, each consumer warpgroup HALF_M of the rows.
+HALF_M = gl.constexpr(64)
+WEIGHT_GRAD_N = gl.constexpr(256)
+REGS_WEIGHT_GRAD_PRODUCER = gl.constexpr(88)
+
+
+@gluon.jit
+def _weight_grad_producer(gathered_ptr, desc_dense, a_smem, b_smem, ready, empty, row_tokens_ptr, expert_blocks_ptr,
+                          num_experts, num_tiles_m, num_tiles_n, gathered_cols, stride_g, GATHERED_A: gl.constexpr,
+                          GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Every row step of this program's tiles in order: the dense operand's boxes by TMA and the
+    gathered operand's rows (zeros on padding rows and past gathered_cols) by cp.async, 16 bytes a
+    copy. A's two row halves (the tile's M) go to buffers of their own, one a consumer."""
+    if GATHERED_A:  # (BLOCK_K, HALF_M) pieces of dY
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
+        width: gl.constexpr = HALF_M
+    else:  # a (BLOCK_K, WEIGHT_GRAD_N) piece of x, 128 columns a warp (16 rows a thread: 8 measured faster)
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [GATHER_WARPS, 1], [1, 0])
+        width: gl.constexpr = WEIGHT_GRAD_N
+    offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, width, layout=gl.SliceLayout(0, layout))
+    it = 0
+    for tile in range(gl.program_id(0), num_experts * num_tiles_m * num_tiles_n, gl.num_programs(0)):
+        expert, pid_m, pid_n, first_row, end_row = _expert_rows(tile, expert_blocks_ptr, TILE_M, num_tiles_m,
+                                                                num_tiles_n, GROUP_M)
+        for r0 in range(first_row, end_row, BLOCK_K):
+            stage = it % NUM_STAGES
+            mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            tokens = gl.load(row_tokens_ptr + r0 + offs_r)
+            row_ptrs = gathered_ptr + wide_offset(tokens, stride_g)[:, None]
+            if GATHERED_A:  # d w2: dY's columns of the tile's rows of H; weighted_h's of its columns
+                mbarrier.expect(bar, desc_dense.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_dense, [r0, pid_n * WEIGHT_GRAD_N], bar, b_smem.index(stage))
+                for half in gl.static_range(2):
+                    cols = pid_m * TILE_M + half * HALF_M + offs_c
+                    async_copy.async_copy_global_to_shared(a_smem.index(2 * stage + half), row_ptrs + cols[None, :],
+                                                           mask=(tokens >= 0)[:, None] & (cols < gathered_cols)[None, :])
+            else:  # d w1: d [gate, up]'s columns of the tile's rows of 2I; x's of its columns
+                mbarrier.expect(bar, 2 * desc_dense.block_type.nbytes)
+                for half in gl.static_range(2):
+                    tma.async_copy_global_to_shared(desc_dense, [r0, pid_m * TILE_M + half * HALF_M], bar,
+                                                    a_smem.index(2 * stage + half))
+                cols = pid_n * WEIGHT_GRAD_N + offs_c
+                async_copy.async_copy_global_to_shared(b_smem.index(stage), row_ptrs + cols[None, :],
+                                                       mask=(tokens >= 0)[:, None] & (cols < gathered_cols)[None, :])
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            it += 1
+
+
+@gluon.jit
+def _weight_grad_consumer(a_smem, b_smem, ready, empty, epi_smem, desc_out, expert_blocks_ptr, num_experts, num_tiles_m,
+                          num_tiles_n, M, C: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Consumer C's rows [C * HALF_M, (C + 1) * HALF_M) of every tile of this program: the sum over
+    the expert's row steps (one m64n256 wgmma a 16-deep slice), then a TMA store of it (zeros for an
+    expert without rows)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, WEIGHT_GRAD_N, 16])
+    epi = epi_smem.index(C)
+    it = 0
+    for tile in range(gl.program_id(0), num_experts * num_tiles_m * num_tiles_n, gl.num_programs(0)):
+        expert, pid_m, pid_n, first_row, end_row = _expert_rows(tile, expert_blocks_ptr, TILE_M, num_tiles_m,
+                                                                num_tiles_n, GROUP_M)
+        num_k = (end_row - first_row) // BLOCK_K
+        acc = gl.zeros([HALF_M, WEIGHT_GRAD_N], gl.float32, layout=acc_layout)
+        for kb in range(num_k):
+            stage = (it + kb) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((it + kb) // NUM_STAGES) & 1)
+            fence_async_shared()  # the gathered rows came through the generic proxy; wgmma reads the async one
+            acc = warpgroup_mma(a_smem.index(2 * stage + C).permute((1, 0)), b_smem.index(stage), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            if kb > 0:
+                mbarrier.arrive(empty.index((it + kb - 1) % NUM_STAGES), count=1)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if num_k > 0:
+            mbarrier.arrive(empty.index((it + num_k - 1) % NUM_STAGES), count=1)
+        it += num_k
+        tma.store_wait(0)  # the previous tile's store has read the buffer
+        epi.store(acc.to(epi.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(desc_out, [expert * M + pid_m * TILE_M + C * HALF_M, pid_n * WEIGHT_GRAD_N],
+                                        epi)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def weight_grad_gluon_kernel(
+    gathered_ptr, desc_dense, desc_out, row_tokens_ptr, expert_blocks_ptr,
+    num_experts, M, N, gathered_cols, stride_g,
+    GATHERED_A: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+):
+    """out[e] (M, N) = A[rows of e].T @ B[rows of e], one operand in layout order (desc_dense) and
+    the other gathered by each row's token from gathered_ptr ((tokens, gathered_cols), row stride
+    stride_g, 16-byte aligned): GATHERED_A, d w2 = dY[tokens].T @ weighted_h (desc_dense of
+    weighted_h (rows, I), boxes (BLOCK_K, WEIGHT_GRAD_N)), else d w1 = d [gate, up].T @ x[tokens]
+    (desc_dense of d [gate, up] (rows, 2I), boxes (BLOCK_K, HALF_M)). desc_out: out viewed as
+    (E * M, N), boxes (HALF_M, WEIGHT_GRAD_N), M a multiple of TILE_M. row_tokens and expert_blocks
+    as for `backward.grad_w1_kernel`, over blocks of TILE_M rows. num_warps = 4; one program an SM."""
+    num_tiles_m = M // TILE_M
+    num_tiles_n = gl.cdiv(N, WEIGHT_GRAD_N)
+    dtype: gl.constexpr = desc_out.dtype
+    a_smem = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, BLOCK_K, HALF_M],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], dtype))
+    b_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, WEIGHT_GRAD_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, WEIGHT_GRAD_N], dtype))
+    epi_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M, WEIGHT_GRAD_N], desc_out.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        # The TMA's expect arrives once, and every producer thread once its copies land.
+        mbarrier.init(ready.index(i), count=1 + 32 * GATHER_WARPS)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    gl.warp_specialize([
+        (_weight_grad_consumer, (a_smem, b_smem, ready, empty, epi_smem, desc_out, expert_blocks_ptr, num_experts,
+                                 num_tiles_m, num_tiles_n, M, 0, GROUP_M, NUM_STAGES)),
+        (_weight_grad_consumer, (a_smem, b_smem, ready, empty, epi_smem, desc_out, expert_blocks_ptr, num_experts,
+                                 num_tiles_m, num_tiles_n, M, 1, GROUP_M, NUM_STAGES)),
+        (_weight_grad_producer, (gathered_ptr, desc_dense, a_smem, b_smem, ready, empty, row_tokens_ptr,
+                                 expert_blocks_ptr, num_experts, num_tiles_m, num_tiles_n, gathered_cols, stride_g,
+                                 GATHERED_A, GROUP_M, NUM_STAGES)),
+    ], [4, GATHER_WARPS], [REGS_CONSUMER, REGS_WEIGHT_GRAD_PRODUCER])
