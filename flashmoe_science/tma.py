@@ -3,7 +3,11 @@ tensor descriptors (attention's and the MoE GEMMs'): which tensors it can addres
 built without re-running the checks their classes repeat."""
 from __future__ import annotations
 
+import functools
+
 import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 
 def addressable(*tensors: torch.Tensor) -> bool:
@@ -28,3 +32,15 @@ def unchecked_descriptor(cls, base, shape, strides, block_shape, *layout):
     desc = object.__new__(cls)
     desc.__dict__.update(zip(cls.__dataclass_fields__, (base, shape, strides, block_shape, *layout)), padding="zero")
     return desc
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_box_layout(rows: int, cols: int):
+    """The shared-memory layout of a 16-bit TMA box of a Gluon kernel, as wgmma reads it."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+
+
+def gluon_descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A Gluon TMA descriptor of 2-D 16-bit tensor t (`addressable`) in boxes of (rows, cols)."""
+    return unchecked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [rows, cols],
+                                gluon_box_layout(rows, cols))

@@ -52,12 +52,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from ..device import info_for, interpreter_active
 from ..launch import KernelLauncher, PlanCache
-from ..tma import addressable, unchecked_descriptor
+from ..tma import addressable, gluon_descriptor
 from . import configs, experts, routing
 from ._kernels import backward_gluon
 from ._kernels.backward import gather_rows_kernel, grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel, grad_x_kernel
@@ -175,24 +173,12 @@ def gluon_grad_gate_up_ok(plan: BackwardPlan, grad_out, w2, interleaved: bool) -
             and addressable(grad_out) and grad_out.stride(0) % 8 == 0)
 
 
-@functools.lru_cache(maxsize=None)
-def gluon_box_layout(rows: int, cols: int):
-    """The shared-memory layout of a 16-bit TMA box of the Gluon backward kernel (as wgmma reads it)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-
-
-def _gluon_descriptor(t: torch.Tensor, rows: int, cols: int):
-    """A Gluon TMA descriptor of 2-D tensor t (addressable) in boxes of (rows, cols)."""
-    return unchecked_descriptor(GluonDescriptor, t, list(t.shape), list(t.stride()), [rows, cols],
-                                gluon_box_layout(rows, cols))
-
-
 def _launch_grad_gate_up_gluon(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs,
                                block_expert, block_rows, grad_gate_up, weighted_h, row_tokens, grad_weight_parts,
                                need_weight_grads: bool) -> None:
     """launch_grad_gate_up on the Gluon kernel (not interleaved; weighted_h: any (rows, I) tensor
     when need_weight_grads is off, unwritten)."""
-    describe = _gluon_descriptor
+    describe = gluon_descriptor
     bg = backward_gluon
     H, I, E = plan.hidden, plan.inter, plan.num_experts
     tile_m, epilogue_n = bg.TILE_M.value, bg.EPILOGUE_N.value
@@ -275,8 +261,8 @@ def _launch_weight_grad_gluon(key, plan: BackwardPlan, name: str, gathered, dens
     dense_cols = bg.WEIGHT_GRAD_N.value if name == "grad_w2" else bg.HALF_M.value
     _WEIGHT_GRAD_GLUON[name].launch(
         key, (min(tiles, info_for(grad).sm_count), 1, 1),
-        (gathered, _gluon_descriptor(dense, bg.BLOCK_K.value, dense_cols),
-         _gluon_descriptor(grad.view(E * M, N), bg.HALF_M.value, bg.WEIGHT_GRAD_N.value), row_tokens, expert_blocks,
+        (gathered, gluon_descriptor(dense, bg.BLOCK_K.value, dense_cols),
+         gluon_descriptor(grad.view(E * M, N), bg.HALF_M.value, bg.WEIGHT_GRAD_N.value), row_tokens, expert_blocks,
          E, M, N, plan.hidden, gathered.stride(0), name == "grad_w2", getattr(plan.config, name).group_m,
          plan.config.gluon_weight_grad_stages),
         num_warps=4, num_stages=1, device_index=plan.device_index)

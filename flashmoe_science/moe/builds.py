@@ -5,6 +5,7 @@ and sm90 (the CPU test checks each fits its target). The tables they enumerate a
 """
 from __future__ import annotations
 
+import functools
 from itertools import product
 
 from ..kernel_build import KernelBuild
@@ -89,6 +90,8 @@ def _builds(capability: int):
                             g.num_warps, g.num_stages,
                             aligned=("H", "I", "stride_xt", "stride_we", "stride_wk" if bias else "stride_wn"),
                             descriptors=tma and descriptors["moe_gate_up"])
+            if cfg.gluon_stages and capability == 90 and not tma:
+                yield from _gate_up_gluon_builds(dtype, cfg)
             for bias in (False, True) if gpt_oss else (False,):
                 strides = dict(stride_wn=1) if bias else dict(stride_wk=1)
                 yield build(f"moe_down {dtype}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {d}", down_kernel,
@@ -221,15 +224,19 @@ def _builds(capability: int):
                     aligned=("H",))
 
 
+def _gluon_descriptor_type(dtype, rows, cols) -> str:
+    """The signature type of a 16-bit Gluon kernel's descriptor argument in boxes of (rows, cols)
+    (the shared-memory layout is part of it)."""
+    from ..tma import gluon_box_layout
+    return f"tensordesc<{dtype}[{rows},{cols}],{gluon_box_layout(rows, cols)!r}>"
+
+
 def _grad_gate_up_gluon_build(dtype, block_m, cfg):
     """The Gluon d [gate, up] kernel of backward configuration `cfg` (sm90): the shared-memory layouts
     of its descriptors are part of its signature."""
     from ._kernels import backward_gluon as bg
     from ._kernels.backward_gluon import grad_gate_up_gluon_kernel
-    from .backward import gluon_box_layout
-
-    def descriptor(rows, cols):
-        return f"tensordesc<{dtype}[{rows},{cols}],{gluon_box_layout(rows, cols)!r}>"
+    descriptor = functools.partial(_gluon_descriptor_type, dtype)
 
     fn = grad_gate_up_gluon_kernel
     epilogue = descriptor(bg.TILE_M.value, bg.EPILOGUE_N.value)
@@ -245,14 +252,30 @@ def _grad_gate_up_gluon_build(dtype, block_m, cfg):
                        aligned=("grad_out_ptr", "grad_gate_up_ptr", "stride_gt", "I"))
 
 
+def _gate_up_gluon_builds(dtype, cfg):
+    """The Gluon gate/up kernel of forward configuration `cfg` (sm90), per activation it serves."""
+    from ._kernels import grouped_gemm_gluon as gg
+    from ._kernels.grouped_gemm_gluon import gate_up_gluon_kernel
+    descriptor = functools.partial(_gluon_descriptor_type, dtype)
+
+    fn = gate_up_gluon_kernel
+    for activation in gg.ACTIVATIONS:
+        constexprs = dict(ACTIVATION=activation, GROUP_M=cfg.gate_up.group_m, NUM_STAGES=cfg.gluon_stages)
+        signature = {name: "i32" for name in fn.arg_names}
+        out = descriptor(gg.HALF_M.value, gg.EPILOGUE_N.value)
+        signature.update(x_ptr=f"*{dtype}", desc_w1=descriptor(gg.BLOCK_N.value, gg.BLOCK_K.value), desc_h=out,
+                         desc_hg=out, sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32")
+        signature.update({name: "constexpr" for name in constexprs})
+        yield KernelBuild(f"moe_gate_up_gluon {dtype} {activation} BLOCK_M={cfg.block_m} stages={cfg.gluon_stages} "
+                          f"GROUP_M={cfg.gate_up.group_m}", fn, signature, constexprs, 4, 1,
+                          aligned=("x_ptr", "stride_xt", "H", "I"))
+
+
 def _weight_grad_gluon_builds(dtype, block_m, cfg):
     """The Gluon weight-gradient kernel of backward configuration `cfg` (sm90), for d w1 and d w2."""
     from ._kernels import backward_gluon as bg
     from ._kernels.backward_gluon import weight_grad_gluon_kernel
-    from .backward import gluon_box_layout
-
-    def descriptor(rows, cols):
-        return f"tensordesc<{dtype}[{rows},{cols}],{gluon_box_layout(rows, cols)!r}>"
+    descriptor = functools.partial(_gluon_descriptor_type, dtype)
 
     fn = weight_grad_gluon_kernel
     for gathered_a, name in ((False, "grad_w1"), (True, "grad_w2")):
