@@ -169,18 +169,6 @@ def test_gluon_grad_gate_up_only_on_hopper_prefill_where_experts_are_not_wider_t
 
 
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
-def test_gluon_gate_up_only_in_the_hopper_prefill_bucket(capability):
-    """The Gluon gate/up (sm90, 16-bit) in the prefill bucket, whose 128-row blocks are its tiles'."""
-    from flashmoe_science.moe._kernels import grouped_gemm_gluon
-
-    for element_size, cfg in configs.experts_configs(capability):
-        if cfg.gluon_stages:
-            assert capability == 90 and element_size == 2 and cfg.block_m == grouped_gemm_gluon.TILE_M.value
-    prefill = configs.EXPERTS[configs.family_of(capability)][2][-1][1]
-    assert bool(prefill.gluon_stages) == (capability == 90)
-
-
-@pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
 def test_gluon_weight_gradients_on_every_hopper_prefill_shape(capability):
     """The Gluon weight-gradient kernel (sm90, 128-row blocks, 16-bit) at every prefill shape,
     Mixtral's included: faster than the Triton kernels there, d w1 and d w2 together."""

@@ -433,48 +433,6 @@ def test_bf16_real_shapes(name, E, k, H, I, T):
     check_against_reference(out, ref, fused_experts_torch(x, w1, w2, weights, ids), atol=1e-3)
 
 
-def test_gluon_gate_up_needs_the_gpu(device, poisoned, forced_experts_config):  # noqa: F811
-    """A configuration asking for the Gluon gate/up runs the Triton kernel where the Gluon one
-    cannot: in the interpreter (and on the CPU), over blocks other than 128 rows."""
-    forced_experts_config(lambda cfg: dataclasses.replace(cfg, gluon_stages=3))
-    x, w1, w2 = make_layer(37, 4, 64, 32, torch.float16, device)
-    clear_records()
-    out = fused_moe(x, w1, w2, torch.randn(37, 4, device=device), 2)
-    assert last_launch("moe_gate_up") is not None and last_launch("moe_gate_up_gluon") is None
-    assert not torch.isnan(out).any()
-
-
-# (name, E, k, H, I, T, activation): prefill loads where Hopper runs the Gluon gate/up, a dropped
-# slot and an idle expert in each.
-GLUON_GATE_UP_CASES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 2048, "silu"),
-                       ("deepseek-v2-lite", 64, 6, 2048, 1408, 2048, "gelu")]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,E,k,H,I,T,activation", GLUON_GATE_UP_CASES)
-def test_gluon_gate_up_forward(poisoned, forced_experts_config, name, E, k, H, I, T, activation):  # noqa: F811
-    """The Gluon gate/up (sm90) in the inference forward against the float64 reference, every
-    output element written (poisoned buffers), and the same bits as the Triton kernel's."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon gate/up runs on sm90")
-    x, w1, w2 = make_layer(T, E, H, I, torch.bfloat16, "cuda")
-    weights, ids = moe_route(torch.randn(T, E, device="cuda"), k)
-    ids = torch.where(ids == E - 1, 0, ids)  # expert E - 1 gets no token
-    ids[0, 0] = -1  # a dropped slot
-    clear_records()
-    with torch.no_grad():
-        out = fused_experts(x, w1, w2, weights, ids, activation=activation)
-    assert last_launch("moe_gate_up_gluon") is not None and last_launch("moe_gate_up") is None
-    ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids, activation=activation)
-    check_against_reference(out, ref, fused_experts_torch(x, w1, w2, weights, ids, activation=activation), atol=1e-3)
-    forced_experts_config(lambda cfg: dataclasses.replace(cfg, gluon_stages=0))
-    clear_records()
-    with torch.no_grad():
-        triton_out = fused_experts(x, w1, w2, weights, ids, activation=activation)
-    assert last_launch("moe_gate_up") is not None and last_launch("moe_gate_up_gluon") is None
-    assert torch.equal(out, triton_out)
-
-
 @pytest.mark.gpu
 def test_fp32_uses_tf32_within_its_precision():
     x, w1, w2 = make_layer(200, 16, 256, 128, torch.float32, "cuda")

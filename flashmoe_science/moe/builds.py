@@ -90,8 +90,6 @@ def _builds(capability: int):
                             g.num_warps, g.num_stages,
                             aligned=("H", "I", "stride_xt", "stride_we", "stride_wk" if bias else "stride_wn"),
                             descriptors=tma and descriptors["moe_gate_up"])
-            if cfg.gluon_stages and capability == 90 and not tma:
-                yield from _gate_up_gluon_builds(dtype, cfg)
             for bias in (False, True) if gpt_oss else (False,):
                 strides = dict(stride_wn=1) if bias else dict(stride_wk=1)
                 yield build(f"moe_down {dtype}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {d}", down_kernel,
@@ -250,25 +248,6 @@ def _grad_gate_up_gluon_build(dtype, block_m, cfg):
     return KernelBuild(f"moe_grad_gate_up_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_stages} "
                        f"GROUP_M={cfg.grad_gate_up.group_m}", fn, signature, constexprs, 4, 1,
                        aligned=("grad_out_ptr", "grad_gate_up_ptr", "stride_gt", "I"))
-
-
-def _gate_up_gluon_builds(dtype, cfg):
-    """The Gluon gate/up kernel of forward configuration `cfg` (sm90), per activation it serves."""
-    from ._kernels import grouped_gemm_gluon as gg
-    from ._kernels.grouped_gemm_gluon import gate_up_gluon_kernel
-    descriptor = functools.partial(_gluon_descriptor_type, dtype)
-
-    fn = gate_up_gluon_kernel
-    for activation in gg.ACTIVATIONS:
-        constexprs = dict(ACTIVATION=activation, GROUP_M=cfg.gate_up.group_m, NUM_STAGES=cfg.gluon_stages)
-        signature = {name: "i32" for name in fn.arg_names}
-        out = descriptor(gg.HALF_M.value, gg.EPILOGUE_N.value)
-        signature.update(x_ptr=f"*{dtype}", desc_w1=descriptor(gg.BLOCK_N.value, gg.BLOCK_K.value), desc_h=out,
-                         desc_hg=out, sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32")
-        signature.update({name: "constexpr" for name in constexprs})
-        yield KernelBuild(f"moe_gate_up_gluon {dtype} {activation} BLOCK_M={cfg.block_m} stages={cfg.gluon_stages} "
-                          f"GROUP_M={cfg.gate_up.group_m}", fn, signature, constexprs, 4, 1,
-                          aligned=("x_ptr", "stride_xt", "H", "I"))
 
 
 def _weight_grad_gluon_builds(dtype, block_m, cfg):

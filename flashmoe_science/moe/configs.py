@@ -62,15 +62,9 @@ class ExpertsConfig:
     gate_up: GemmConfig
     down: GemmConfig
     tma: bool = False
-    # gluon_stages > 0: gate/up runs the Gluon kernel (`_kernels/grouped_gemm_gluon.py`, sm90:
-    # persistent, warp-specialised, its tiles and warps fixed there) with this many pipeline
-    # buffers and gate_up's group_m, where the call suits it (`experts.gluon_gate_up_ok`); other
-    # calls run the Triton kernel with gate_up's tiling.
-    gluon_stages: int = 0
 
     def __str__(self) -> str:
-        return (f"BLOCK_M={self.block_m} gate_up[{self.gate_up}] down[{self.down}]" + (" tma" if self.tma else "")
-                + (f" gluon_stages={self.gluon_stages}" if self.gluon_stages else ""))
+        return f"BLOCK_M={self.block_m} gate_up[{self.gate_up}] down[{self.down}]" + (" tma" if self.tma else "")
 
 
 G, X = GemmConfig, ExpertsConfig
@@ -94,7 +88,7 @@ _LARGE_SMEM = ((8, _DECODE),
 # 351 against 402 us for four).
 _HOPPER = (_LARGE_SMEM[:2]
            + ((96, X(64, G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 3), tma=True)),)
-           + ((None, replace(_LARGE_SMEM[3][1], tma=True, gluon_stages=4)),))
+           + ((None, replace(_LARGE_SMEM[3][1], tma=True)),))
 # sm80: as above, but the middle bucket's gate/up GEMM on eight warps: on four its 64 x 256 fp32
 # accumulator (gate and up interleaved) spills 72-80 bytes a thread under sm80's ptxas.
 _SM80 = _LARGE_SMEM[:2] + ((96, X(64, G(128, 64, 8, 8, 4), G(128, 64, 8, 4, 4))),) + _LARGE_SMEM[3:]

@@ -32,15 +32,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..device import check_runnable, info_for, interpreter_active
 from ..launch import KernelLauncher, PlanCache
 from ..tma import addressable as tma_addressable
-from ..tma import gluon_descriptor, unchecked_descriptor
+from ..tma import unchecked_descriptor
 from . import configs, fp8, routing
 from ._kernels.combine import combine_kernel, gather_sum_kernel
-from ._kernels import grouped_gemm_gluon
 from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
-from ._kernels.grouped_gemm_gluon import gate_up_gluon_kernel
 
 _GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel, fp32_dots=True)
-_GATE_UP_GLUON = KernelLauncher("moe_gate_up_gluon", gate_up_gluon_kernel)
 _DOWN = KernelLauncher("moe_down", down_kernel, fp32_dots=True)
 _COMBINE = KernelLauncher("moe_combine", combine_kernel)
 _GATHER_SUM = KernelLauncher("moe_gather_sum", gather_sum_kernel)
@@ -178,9 +175,6 @@ def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, 
     Biased calls run the pointer path (the builds of the biased kernel)."""
     g = cfg.gate_up
     H, I = x.shape[1], h.shape[1]
-    if cfg.gluon_stages and gluon_gate_up_ok(cfg, x, w1, h, activation, h_grads, w1_bias, interleaved):
-        _launch_gate_up_gluon(key, cfg, layout, x, w1, h, top_k, activation, device_index, h_grads)
-        return
     tma = cfg.tma and w1_bias is None and tma_capable(x) and tma_addressable(w1)
     _GATE_UP.launch(
         launch_key_with_tma(key, tma), (layout.num_blocks * -(-I // g.block_n), 1, 1),
@@ -191,36 +185,6 @@ def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, 
          w1.stride(2), 0 if w1_bias is None else w1_bias.stride(0),
          activation, cfg.block_m, g.block_n, g.block_k, g.group_m, tma, w1_bias is not None, interleaved),
         num_warps=g.num_warps, num_stages=g.num_stages, device_index=device_index)
-
-
-def gluon_gate_up_ok(cfg: configs.ExpertsConfig, x, w1, h, activation: str, h_grads, w1_bias,
-                     interleaved: bool) -> bool:
-    """Whether `grouped_gemm_gluon.gate_up_gluon_kernel` can run this call: on the GPU, not the
-    interpreter, over 128-row blocks, without bias, gate and up not interleaved, an activation it is
-    built for, I a multiple of its column tile and H of its K step, w1 contiguous and TMA able to
-    address it, h and h_grads, x's rows 16-byte aligned (its gathered copies)."""
-    gg = grouped_gemm_gluon
-    H, I = x.shape[1], h.shape[1]
-    return (x.is_cuda and not interpreter_active() and cfg.block_m == gg.TILE_M.value and w1_bias is None
-            and not interleaved and activation in gg.ACTIVATIONS and I % gg.BLOCK_N.value == 0
-            and H % gg.BLOCK_K.value == 0 and x.element_size() == 2 and w1.is_contiguous()
-            and tma_addressable(x, w1.view(-1, H), h, *(() if h_grads is None else (h_grads,))))
-
-
-def _launch_gate_up_gluon(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, x, w1, h, top_k: int,
-                          activation: str, device_index, h_grads) -> None:
-    """launch_gate_up on the Gluon kernel (no bias, not interleaved)."""
-    gg = grouped_gemm_gluon
-    H, I = x.shape[1], h.shape[1]
-    desc_h = gluon_descriptor(h, gg.HALF_M.value, gg.EPILOGUE_N.value)
-    tiles = layout.num_blocks * (I // gg.BLOCK_N.value)
-    _GATE_UP_GLUON.launch(
-        key, (min(tiles, info_for(x).sm_count), 1, 1),
-        (x, gluon_descriptor(w1.view(-1, H), gg.BLOCK_N.value, gg.BLOCK_K.value), desc_h,
-         desc_h if h_grads is None else gluon_descriptor(h_grads, gg.HALF_M.value, gg.EPILOGUE_N.value),
-         layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks, H, I, top_k,
-         int(h_grads is not None), x.stride(0), activation, cfg.gate_up.group_m, cfg.gluon_stages),
-        num_warps=4, num_stages=1, device_index=device_index)
 
 
 def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, w2, y, topk_weights,
