@@ -453,8 +453,10 @@ def test_hopper_tma_backward_builds_use_the_copy_engine(compiled_rows):
     """The sm90 builds of entries with `tma` (shipped next to their pointer builds) compile to
     bulk tensor copies for every backward GEMM; the pointer builds to none."""
     backward = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith(BACKWARD_OPS)]
-    gluon = [r for r in backward if r["label"].startswith("moe_grad_gate_up_gluon")]  # TMA by construction
-    assert gluon and all(r["tma"] and r["wgmma"] for r in gluon), [r["label"] for r in gluon]
+    gluon = [r for r in backward if r["label"].split()[0].endswith("_gluon")]  # TMA by construction
+    assert {r["label"].split()[0] for r in gluon} == {f"{op}_gluon" for op in ("moe_grad_gate_up", "moe_grad_w1",
+                                                                             "moe_grad_w2")}
+    assert all(r["tma"] and r["wgmma"] for r in gluon), [r["label"] for r in gluon]
     backward = [r for r in backward if r not in gluon]
     tma = [r for r in backward if r["label"].endswith(" tma")]
     assert {r["label"].split()[0] for r in tma} == set(BACKWARD_OPS)
