@@ -464,6 +464,27 @@ def test_hopper_tma_backward_builds_use_the_copy_engine(compiled_rows):
     assert not any(r["tma"] for r in backward if r not in tma)
 
 
+def test_eager_autograd_skips_the_custom_op_wrappers_with_the_same_results(device):
+    """Outside torch.compile, autograd records fused_moe as torch.autograd.Functions running the
+    custom ops' forwards and backwards (not through torch.library's per-call wrappers): the same
+    output and gradients, bit for bit, as the ops called themselves."""
+    T, E, k, H, I = 37, 4, 2, 64, 32
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    inputs = leaves(x, w1, w2, torch.randn(T, E, device=device))
+    grad_out = torch.randn(T, H, device=device)
+    out = fused_moe(*inputs, k)
+    assert type(out.grad_fn).__name__ == "_EagerDownBackward"
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    ops = torch.ops.flashmoe_science
+    weights, ids = ops.moe_route(inputs[3], k, True, "softmax")
+    saved = ops.moe_experts_gate_up(*inputs[:3], weights, ids, "silu", None, False)
+    out_ops = ops.moe_experts_down(*inputs[:3], weights, ids, *saved, False)
+    assert "_EagerDown" not in type(out_ops.grad_fn).__name__
+    assert torch.equal(out, out_ops)
+    for a, b in zip(grads, torch.autograd.grad(out_ops, inputs, grad_out)):
+        assert torch.equal(a, b)
+
+
 def test_compiled_fused_moe_matches_eager(device):
     """torch.compile(fullgraph=True) traces routing, experts and their backward as custom ops;
     the second token count recompiles with a dynamic T."""

@@ -588,9 +588,9 @@ def _experts_with_backward(hidden_states, w1, w2, topk_weights, topk_ids, activa
     """`fused_experts` through its two saving custom ops (ops.py): gate/up, then down. Two
     autograd nodes, so the backward frees what the down half kept (h and the activation's
     derivatives) before the gate/up half's weight gradient is allocated."""
-    ops = torch.ops.flashmoe_science
-    saved = ops.moe_experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias, interleaved)
-    return ops.moe_experts_down(hidden_states, w1, w2, topk_weights, topk_ids, *saved, interleaved)
+    from . import ops
+    saved = ops.experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias, interleaved)
+    return ops.experts_down(hidden_states, w1, w2, topk_weights, topk_ids, *saved, interleaved)
 
 
 def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activation="silu",
@@ -629,7 +629,8 @@ def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, 
         raise ValueError(NO_BLOCK_SHAPE)
     if routing.records_autograd(hidden_states, w1, w2, router_logits):
         _check_moe_args(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring)
-        weights, ids = torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
+        from . import ops
+        weights, ids = ops.route(router_logits, top_k, renormalize, scoring)
         if not routing.needs_gradient(hidden_states, w1, w2, router_logits):  # compiled inference
             return torch.ops.flashmoe_science.moe_experts(hidden_states, w1, w2, weights, ids, activation, None, None,
                                                           None)

@@ -14,8 +14,13 @@ Each has a fake implementation that allocates outputs with exactly the real ones
 dtypes and strides (the layout's size follows from the shapes and the configuration table),
 so torch.compile traces a model using `fused_moe`, `fused_experts` or `moe_route` without a
 graph break and without running a kernel, forward and backward. `fused_moe`, `fused_experts`
-and `moe_route` call these ops when autograd records or torch.compile traces; other calls
-take the lean cached-plan path.
+and `moe_route` call these ops when torch.compile traces; when autograd records outside
+it (on plain tensors) they call the same forwards, context setups and backwards as
+torch.autograd.Functions (`route`, `experts_gate_up`, `experts_down` below), whose backwards call
+the backward ops' Python functions directly: torch.library's wrappers of a differentiable
+custom op handle its schema on every call (`fill_defaults`, redispatch), host time that an eager
+training step paid five times (benchmarks/results/moe_host/). Other calls take the lean
+cached-plan path.
 """
 from typing import List, Optional, Tuple
 
@@ -172,7 +177,8 @@ def _gate_up_backward(ctx, grad_h, grad_gate_up, *layout_grads):
     if grad_gate_up is None:
         return tuple(grads)
     need_x, need_w1 = ctx.needs_input_grad[:2]
-    grad_x, grad_w1 = experts_gate_up_backward_op(grad_gate_up, *ctx.saved_tensors, need_x, need_w1)
+    gate_up_backward = backward.gate_up_backward if getattr(ctx, "eager", False) else experts_gate_up_backward_op
+    grad_x, grad_w1 = gate_up_backward(grad_gate_up, *ctx.saved_tensors, need_x, need_w1)
     grads[0], grads[1] = (grad_x if need_x else None), (grad_w1 if need_w1 else None)
     if len(grads) > 6 and ctx.needs_input_grad[6]:  # d w1_bias[e]: the sum of d [gate, up] over e's rows
         _, w1, _, _, _, block_expert, _ = ctx.saved_tensors
@@ -196,11 +202,68 @@ def _down_backward(ctx, grad_out):
         return tuple(grads)
     need = ctx.needs_input_grad
     need_w2, need_weights, need_gate_up = need[2], need[3], need[6]
-    grad_gate_up, grad_w2, grad_weights = experts_down_backward_op(grad_out, *ctx.saved_tensors, need_gate_up,
-                                                                   need_w2, ctx.interleaved)
+    down_backward = backward.down_backward if getattr(ctx, "eager", False) else experts_down_backward_op
+    grad_gate_up, grad_w2, grad_weights = down_backward(grad_out, *ctx.saved_tensors, need_gate_up, need_w2,
+                                                        ctx.interleaved)
     grads[2], grads[3] = (grad_w2 if need_w2 else None), (grad_weights if need_weights else None)
     grads[6] = grad_gate_up if need_gate_up else None
     return tuple(grads)
 
 
 experts_down_op.register_autograd(_down_backward, setup_context=_down_setup_context)
+
+
+def _eager_function(name, forward, setup_context, backward_fn):
+    """A torch.autograd.Function running a custom op's forward, context setup and backward outside
+    torch.compile; `ctx.eager` tells the backward to call the backward ops' Python functions
+    directly (the registered autograd, which AOT tracing runs on fake tensors, calls the ops). Its
+    forward takes ctx and sets it up itself: with a separate setup_context, Function.apply binds
+    its arguments through inspect.signature on every call."""
+    def forward_with_ctx(ctx, *inputs):
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
+        ctx.eager = True
+        return output
+    return type(torch.autograd.Function)(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward_with_ctx), "backward": staticmethod(backward_fn),
+        "__doc__": f"{name}: a custom op's forward and backward outside torch.compile."})
+
+
+def _down_forward(hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows,
+                  gate_up_interleaved=False):
+    return experts.down_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, h, sorted_pairs, block_expert,
+                                     block_rows)
+
+
+_EagerRoute = _eager_function("_EagerRoute", routing.route, _route_setup_context, _route_backward)
+_EagerGateUp = _eager_function("_EagerGateUp", experts.gate_up_for_backward, _gate_up_setup_context,
+                               _gate_up_backward)
+_EagerDown = _eager_function("_EagerDown", _down_forward, _down_setup_context, _down_backward)
+
+
+def _recorded(op, eager, *args):
+    """A differentiable call where autograd records: its eager Function on plain tensors outside
+    torch.compile, else the custom op (compiled graphs, and tensor subclasses such as the fake
+    and functional tensors of tracing, which only the op's registrations handle)."""
+    if type(args[0]) is torch.Tensor and not torch.compiler.is_compiling():
+        return eager.apply(*args)
+    return op(*args)
+
+
+def route(router_logits, top_k, renormalize, scoring):
+    """`route_op` where autograd records (`_recorded`)."""
+    return _recorded(route_op, _EagerRoute, router_logits, top_k, renormalize, scoring)
+
+
+def experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=None,
+                    gate_up_interleaved=False):
+    """`experts_gate_up_op` where autograd records (`_recorded`)."""
+    return _recorded(experts_gate_up_op, _EagerGateUp, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                     w1_bias, gate_up_interleaved)
+
+
+def experts_down(hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows,
+                 gate_up_interleaved=False):
+    """`experts_down_op` where autograd records (`_recorded`)."""
+    return _recorded(experts_down_op, _EagerDown, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads,
+                     sorted_pairs, block_expert, block_rows, gate_up_interleaved)

@@ -227,13 +227,15 @@ def moe_route(router_logits, top_k, *, renormalize=True, scoring="softmax"):
         index first), with weights p, or p / sum of the k chosen p when renormalize.
 
     When autograd records (router_logits requires grad) or torch.compile traces, the call goes
-    through the custom op `flashmoe_science::moe_route`, whose backward is `route_backward`.
+    through `ops.route` (the custom op `flashmoe_science::moe_route` under torch.compile), whose
+    backward is `route_backward`.
     """
     if records_autograd(router_logits):
         check_router_logits(router_logits)
         check_top_k(top_k, router_logits.shape[1])
         check_routing_options(renormalize, scoring)
-        return torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
+        from . import ops
+        return ops.route(router_logits, top_k, renormalize, scoring)
     return route(router_logits, top_k, renormalize, scoring)
 
 
