@@ -169,16 +169,21 @@ def test_gluon_grad_gate_up_only_on_hopper_prefill_where_experts_are_not_wider_t
 
 
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
-def test_gluon_weight_gradients_on_every_hopper_prefill_shape(capability):
-    """The Gluon weight-gradient kernel (sm90, 128-row blocks, 16-bit) at every prefill shape,
-    Mixtral's included: faster than the Triton kernels there, d w1 and d w2 together."""
+def test_gluon_weight_gradients_on_hopper_prefill_but_mixtrals_d_w1(capability):
+    """The Gluon weight-gradient kernel (sm90, 128-row blocks, 16-bit) for both weight gradients
+    where H >= I, and for d w2 alone at Mixtral's widths, whose d w1 is faster reading x copied
+    into layout order (gather_x)."""
     from flashmoe_science.moe._kernels import backward_gluon
 
     device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
-    for _, _, H, I in (SHAPES[name] for name in ("mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b")):
-        assert bool(configs.backward_config(device, 2, 128, H, I).gluon_weight_grad_stages) == (capability == 90)
-        assert not configs.backward_config(device, 2, 64, H, I).gluon_weight_grad_stages
-        assert not configs.backward_config(device, 4, 64, H, I).gluon_weight_grad_stages
+    for name, gluon in (("mixtral-8x7b", ("grad_w2",)), ("deepseek-v2-lite", ("grad_w1", "grad_w2")),
+                        ("qwen3-30b-a3b", ("grad_w1", "grad_w2"))):
+        _, _, H, I = SHAPES[name]
+        for kernel in ("grad_w1", "grad_w2"):
+            wanted = kernel in gluon and capability == 90
+            assert bool(configs.backward_config(device, 2, 128, H, I).gluon_weight_grad(kernel)) == wanted
+            assert not configs.backward_config(device, 2, 64, H, I).gluon_weight_grad(kernel)
+            assert not configs.backward_config(device, 4, 64, H, I).gluon_weight_grad(kernel)
     for element_size, block_m, cfg in configs.backward_configs(capability):
         if cfg.gluon_weight_grad_stages:
             assert (element_size, block_m) == (2, backward_gluon.TILE_M.value)

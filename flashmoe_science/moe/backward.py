@@ -246,7 +246,7 @@ def _weight_grad_gluon(plan: BackwardPlan, name: str, gathered, dense, grad) -> 
     it), decided once per plan."""
     ok = plan.weight_grad_gluon.get(name)
     if ok is None:
-        ok = plan.weight_grad_gluon[name] = (bool(plan.config.gluon_weight_grad_stages)
+        ok = plan.weight_grad_gluon[name] = (bool(plan.config.gluon_weight_grad(name))
                                              and gluon_weight_grad_ok(plan, name, gathered, dense, grad))
     return ok
 
@@ -264,7 +264,7 @@ def _launch_weight_grad_gluon(key, plan: BackwardPlan, name: str, gathered, dens
         (gathered, gluon_descriptor(dense, bg.BLOCK_K.value, dense_cols),
          gluon_descriptor(grad.view(E * M, N), bg.HALF_M.value, bg.WEIGHT_GRAD_N.value), row_tokens, expert_blocks,
          E, M, N, plan.hidden, gathered.stride(0), name == "grad_w2", getattr(plan.config, name).group_m,
-         plan.config.gluon_weight_grad_stages),
+         plan.config.gluon_weight_grad(name)),
         num_warps=4, num_stages=1, device_index=plan.device_index)
 
 

@@ -258,15 +258,17 @@ def _weight_grad_gluon_builds(dtype, block_m, cfg):
 
     fn = weight_grad_gluon_kernel
     for gathered_a, name in ((False, "grad_w1"), (True, "grad_w2")):
+        if not cfg.gluon_weight_grad(name):
+            continue
         constexprs = dict(GATHERED_A=gathered_a, GROUP_M=getattr(cfg, name).group_m,
-                          NUM_STAGES=cfg.gluon_weight_grad_stages)
+                          NUM_STAGES=cfg.gluon_weight_grad(name))
         signature = {name: "i32" for name in fn.arg_names}
         dense_cols = bg.WEIGHT_GRAD_N.value if gathered_a else bg.HALF_M.value
         signature.update(gathered_ptr=f"*{dtype}", desc_dense=descriptor(bg.BLOCK_K.value, dense_cols),
                          desc_out=descriptor(bg.HALF_M.value, bg.WEIGHT_GRAD_N.value), row_tokens_ptr="*i32",
                          expert_blocks_ptr="*i32")
         signature.update({name: "constexpr" for name in constexprs})
-        yield KernelBuild(f"moe_{name}_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_weight_grad_stages} "
+        yield KernelBuild(f"moe_{name}_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_weight_grad(name)} "
                           f"GROUP_M={constexprs['GROUP_M']}", fn, signature, constexprs, 4, 1,
                           aligned=("gathered_ptr", "stride_g", "gathered_cols", "N"))
 

@@ -158,18 +158,27 @@ class BackwardConfig:
     # buffers and grad_gate_up's group_m, where the call suits it (`backward.gluon_grad_gate_up_ok`);
     # other calls run the Triton kernel with grad_gate_up's tiling.
     gluon_stages: int = 0
-    # gluon_weight_grad_stages > 0: grad_w1 and grad_w2 run the Gluon weight-gradient kernel
-    # (`_kernels/backward_gluon.py`, sm90: persistent, warp-specialised, 128 x 256 tiles) with
-    # this many pipeline buffers and the weight gradients' group_m, where the call suits it
-    # (`backward.gluon_weight_grad_ok`); other calls run the Triton kernels with their tilings.
+    # gluon_weight_grad_stages > 0: the weight gradients named in gluon_weight_grads run the Gluon
+    # weight-gradient kernel (`_kernels/backward_gluon.py`, sm90: persistent, warp-specialised,
+    # 128 x 256 tiles) with this many pipeline buffers and their own group_m, where the call suits
+    # it (`backward.gluon_weight_grad_ok`); the others, and other calls, run the Triton kernels
+    # with their tilings.
     gluon_weight_grad_stages: int = 0
+    gluon_weight_grads: tuple = ("grad_w1", "grad_w2")
 
     def __str__(self) -> str:
         return (f"grad_gate_up[{self.grad_gate_up}] grad_x[{self.grad_x}] grad_w1[{self.grad_w1}] "
                 f"grad_w2[{self.grad_w2}]" + (" tma" if self.tma else "") + (" gather_x" if self.gather_x else "")
                 + (f" gluon_stages={self.gluon_stages}" if self.gluon_stages else "")
                 + (f" gluon_weight_grad_stages={self.gluon_weight_grad_stages}"
+                   + ("" if self.gluon_weight_grads == ("grad_w1", "grad_w2")
+                      else f" gluon_weight_grads={','.join(self.gluon_weight_grads)}")
                    if self.gluon_weight_grad_stages else ""))
+
+    def gluon_weight_grad(self, name: str) -> int:
+        """The Gluon kernel's pipeline buffers for weight gradient `name` (grad_w1 or grad_w2); 0:
+        the Triton kernel."""
+        return self.gluon_weight_grad_stages if name in self.gluon_weight_grads else 0
 
 
 # The backward runs over the forward's layout (its saved intermediates are in layout order),
@@ -228,7 +237,8 @@ _BACKWARD_FP32 = {
 # Qwen3-30B-A3B at 4096 tokens 1.105 -> 0.806 ms, at 16k 2.55-2.66 -> 2.25-2.27, DeepSeek-V2-Lite
 # at 16k 3.53-3.65 -> 2.92-3.00, OLMoE-1B-7B 3.14-3.26 -> 2.87-2.89 (its d w2 0.87-0.89 -> 0.95-0.96),
 # Mixtral-8x7B at 8192 9.66-9.81 -> 9.60-9.77 (d w1 6.20-6.30 against the gather_x kernel's
-# 6.53-6.69, d w2 3.41-3.45 -> 3.07-3.09). The whole layer's step replayed from a CUDA graph:
+# 6.53-6.69, d w2 3.41-3.45 -> 3.07-3.09: its BACKWARD_GATHER_X entry keeps the Triton d w1).
+# The whole layer's step replayed from a CUDA graph:
 # 2.84-2.86 -> 2.57-2.58 ms at 4096 tokens on Qwen3-30B-A3B, 10.53-10.60 -> 10.01-10.02 on
 # DeepSeek-V2-Lite at 16k (moe_weight_grad_gluon/wg_prof.json).
 _HOPPER_BACKWARD = {**_BACKWARD_LARGE_SMEM,
@@ -250,7 +260,7 @@ BACKWARD = {
 # costs more of the peak than it saves time: DeepSeek-V2-Lite 1.03x for +2-10%, Qwen3-30B-A3B
 # 1.01-1.02x for +14-31%, OLMoE-1B-7B 1.02-1.04x for +1-17%; those keep the gathering kernel.
 BACKWARD_GATHER_X = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True,
-                                           gluon_stages=0)}}}
+                                           gluon_stages=0, gluon_weight_grads=("grad_w2",))}}}
 del G, B, W
 
 # The largest BLOCK_M of any table (bounds the padding rows of the sorted layout).

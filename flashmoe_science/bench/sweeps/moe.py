@@ -44,13 +44,19 @@ BACKWARD_KERNELS = ("grad_gate_up", "grad_x", "grad_w1", "grad_w2")
 _WEIGHT_GRAD_TILES = ((64, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8))
 WEIGHT_GRAD_CANDIDATES = [(bm, bn, bk, 8, w, st) for bm, bn, w in _WEIGHT_GRAD_TILES for bk in (32, 64, 128)
                           for st in (4, 5)]
-# On Hopper, grad_gate_up also tries its Gluon kernel (`BackwardConfig.gluon_stages`) and the weight
-# gradients theirs (`BackwardConfig.gluon_weight_grad_stages`, one kernel for both, whose three
-# buffers are all that fit) at these pipeline depths where a case suits it; their Triton candidates
-# run with the field 0.
-GLUON_FIELD = {"grad_gate_up": "gluon_stages", "grad_w1": "gluon_weight_grad_stages",
-               "grad_w2": "gluon_weight_grad_stages"}
+# On Hopper, grad_gate_up also tries its Gluon kernel (`BackwardConfig.gluon_stages`) and each weight
+# gradient the Gluon weight-gradient kernel (`BackwardConfig.gluon_weight_grad_stages` and
+# `gluon_weight_grads`; its three buffers are all that fit) at these pipeline depths where a case
+# suits it; their Triton candidates run without.
 GLUON_STAGES = {"grad_gate_up": (4, 5, 6), "grad_w1": (3,), "grad_w2": (3,)}
+
+
+def _gluon_changes(kernel, stages) -> dict:
+    """The BackwardConfig fields that run backward GEMM `kernel` on its Gluon kernel with `stages`
+    buffers (0: on the Triton kernel)."""
+    if kernel == "grad_gate_up":
+        return {"gluon_stages": stages}
+    return {"gluon_weight_grad_stages": stages, "gluon_weight_grads": (kernel,) if stages else ()}
 # Candidates whose outputs differ more than this from the table configuration's are marked wrong.
 SWEEP_MAX_REL_DIFF = 1e-2
 
@@ -226,7 +232,7 @@ def _kernel_candidates(kernel, current, table_plan, t, out, device, element_size
     the Triton kernel (stages 0), then the kernel's Gluon one (if it has one) at GLUON_STAGES where
     the case suits it (sm90, 16-bit, its layout)."""
     cands = [(c, 0) for c in _backward_candidates(current, table_plan.block_m, element_size, device, quick)]
-    if (kernel in GLUON_FIELD and device.capability == 90 and element_size == 2
+    if (kernel in GLUON_STAGES and device.capability == 90 and element_size == 2
             and _gluon_suits(kernel, table_plan, t, out)):
         cands += [(current, stages) for stages in GLUON_STAGES[kernel]]
     return cands
@@ -292,7 +298,7 @@ def backward_sweep(args, shapes, tokens, device, dtype):
             current = getattr(table_plan.config, kernel)
             for cand, gluon_stages in _kernel_candidates(kernel, current, table_plan, t, ref, info, element_size,
                                                          args.quick):
-                changes = {kernel: cand, **({GLUON_FIELD[kernel]: gluon_stages} if kernel in GLUON_FIELD else {})}
+                changes = {kernel: cand, **(_gluon_changes(kernel, gluon_stages) if kernel in GLUON_STAGES else {})}
                 plan = backward.BackwardPlan(x, w1, w2, ids, block_expert, sorted_pairs,
                                              dataclasses.replace(table_plan.config, **changes))
                 out = _backward_outputs(kernel, plan, dtype, device)
@@ -325,12 +331,14 @@ def _best_backward_table(rows, table, family, element_size, dtype) -> str:
         in_bucket = [r for r in ok if r["forward_block_m"] == block_m]
         num_cases = len({(r["shape"], r["T"]) for r in rows if r["forward_block_m"] == block_m})
         picked, kept = [], []
-        gluon = {field: getattr(table[block_m], field) for field in GLUON_FIELD.values()}
-        chosen = {}  # the Gluon stages each kernel with one picked
+        entry = table[block_m]
+        # Each kernel with a Gluon one: the table's stages for it unless its rows pick.
+        gluon = {"grad_gate_up": entry.gluon_stages,
+                 **{k: entry.gluon_weight_grad(k) for k in ("grad_w1", "grad_w2")}}
         for kernel in BACKWARD_KERNELS:
-            current = getattr(table[block_m], kernel)
+            current = getattr(entry, kernel)
             # The rows of a kernel with a Gluon one tell the Triton kernel (gluon_stages 0) from it.
-            extra = ("gluon_stages",) if kernel in GLUON_FIELD else ()
+            extra = ("gluon_stages",) if kernel in GLUON_STAGES else ()
             choice = _least_total([r for r in in_bucket if r["kernel"] == kernel], best, case, type(current),
                                   num_cases, extra)
             if choice is None:
@@ -339,14 +347,15 @@ def _best_backward_table(rows, table, family, element_size, dtype) -> str:
             else:
                 values = choice[1][:len(choice[1]) - len(extra)]
                 if extra:
-                    chosen[kernel] = choice[1][-1]
+                    gluon[kernel] = choice[1][-1]
             picked.append(("G" if isinstance(current, configs.GemmConfig) else "W") + str(values))
-        for field in gluon:  # the weight gradients share theirs: the Gluon one if either picked it
-            stages = [chosen[k] for k in GLUON_FIELD if GLUON_FIELD[k] == field and k in chosen]
-            if stages:
-                gluon[field] = max(stages)
-            if gluon[field]:
-                picked.append(f"{field}={gluon[field]}")
+        if gluon["grad_gate_up"]:
+            picked.append(f"gluon_stages={gluon['grad_gate_up']}")
+        weight_grads = tuple(k for k in ("grad_w1", "grad_w2") if gluon[k])
+        if weight_grads:  # one kernel, one depth for both: the deeper picked
+            picked.append(f"gluon_weight_grad_stages={max(gluon[k] for k in weight_grads)}")
+            if weight_grads != ("grad_w1", "grad_w2"):
+                picked.append(f"gluon_weight_grads={weight_grads!r}")
         note = f"  # the table's {', '.join(kept)}: no candidate right on every case" if kept else ""
         lines.append(f"BACKWARD[{family}][{element_size}][{block_m}] = B({', '.join(picked)}){note}")
     return "\n".join(lines)
