@@ -49,8 +49,6 @@ launch took descriptors (`_launch_key`). The others take the pointer kernels wit
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..device import info_for, interpreter_active
@@ -166,11 +164,12 @@ def launch_grad_gate_up(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_
 def gluon_grad_gate_up_ok(plan: BackwardPlan, grad_out, w2, interleaved: bool) -> bool:
     """Whether `backward_gluon.grad_gate_up_gluon_kernel` can run this call: on the GPU, over
     128-row blocks, gate and up not interleaved, H a multiple of its K step and I of its epilogue's
-    columns, w2 contiguous and dY's rows 16-byte aligned (its gathered copies)."""
+    columns, w2 contiguous and dY's row stride a multiple of 16 elements (Triton specialises on it:
+    its gathered copies are 16 bytes)."""
     return (grad_out.is_cuda and not interpreter_active() and plan.block_m == backward_gluon.TILE_M.value
             and not interleaved and plan.hidden % backward_gluon.BLOCK_K.value == 0
             and plan.inter % backward_gluon.EPILOGUE_N.value == 0 and w2.is_contiguous() and addressable(w2)
-            and addressable(grad_out) and grad_out.stride(0) % 8 == 0)
+            and addressable(grad_out) and grad_out.stride(0) % 16 == 0)
 
 
 def _launch_grad_gate_up_gluon(key, plan: BackwardPlan, grad_out, w2, h, h_grads, topk_weights, sorted_pairs,
@@ -178,16 +177,17 @@ def _launch_grad_gate_up_gluon(key, plan: BackwardPlan, grad_out, w2, h, h_grads
                                need_weight_grads: bool) -> None:
     """launch_grad_gate_up on the Gluon kernel (not interleaved; weighted_h: any (rows, I) tensor
     when need_weight_grads is off, unwritten)."""
-    describe = gluon_descriptor
     bg = backward_gluon
     H, I, E = plan.hidden, plan.inter, plan.num_experts
-    tile_m, epilogue_n = bg.TILE_M.value, bg.EPILOGUE_N.value
     tiles = plan.grids["grad_gate_up"][0]  # the Triton kernel's tiles (the same columns: configs' test)
+
+    def epilogue_box(t):
+        return gluon_descriptor(t, bg.TILE_M.value, bg.EPILOGUE_N.value)
     _GRAD_GATE_UP_GLUON.launch(
         key, (min(tiles, info_for(grad_out).sm_count), 1, 1),
-        (grad_out, describe(w2.view(E * H, I), bg.BLOCK_K.value, bg.BLOCK_N.value), describe(h, tile_m, epilogue_n),
-         describe(h_grads, tile_m, epilogue_n), topk_weights, describe(grad_gate_up, tile_m, epilogue_n),
-         grad_gate_up, describe(weighted_h, tile_m, epilogue_n), row_tokens, grad_weight_parts, sorted_pairs,
+        (grad_out, gluon_descriptor(w2.view(E * H, I), bg.BLOCK_K.value, bg.BLOCK_N.value), epilogue_box(h),
+         epilogue_box(h_grads), topk_weights, epilogue_box(grad_gate_up), grad_gate_up, epilogue_box(weighted_h),
+         row_tokens, grad_weight_parts, sorted_pairs,
          block_expert, block_rows, plan.num_blocks, plan.num_tokens * plan.top_k, H, I, plan.top_k,
          int(need_weight_grads), grad_out.stride(0), plan.config.grad_gate_up.group_m, plan.config.gluon_stages),
         num_warps=4, num_stages=1, device_index=plan.device_index)
@@ -233,12 +233,15 @@ def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, dense
 
 def gluon_weight_grad_ok(plan: BackwardPlan, name: str, gathered, dense, grad) -> bool:
     """Whether `backward_gluon.weight_grad_gluon_kernel` can run weight gradient `name` (grad_w1 or
-    grad_w2) of this call: on the GPU, over 128-row blocks, the gradient (E, M, N) contiguous with
-    M a multiple of the tile's rows, and TMA able to address it, the layout-order operand `dense`
-    and the rows of the operand `gathered` by token (16-byte aligned, for its cp.async copies)."""
+    grad_w2) of this call: on the GPU, in a 16-bit dtype, over 128-row blocks, the gradient (E, M,
+    N) contiguous with M a multiple of the tile's rows, TMA able to address it and the
+    layout-order operand `dense`, and the operand `gathered` by token in rows of H elements whose
+    length and stride are multiples of 16 (which Triton specialises on: its cp.async copies are
+    16 bytes, each of 8 elements)."""
     tile_m = backward_gluon.TILE_M.value
-    return (grad.is_cuda and not interpreter_active() and plan.block_m == tile_m and grad.shape[1] % tile_m == 0
-            and grad.is_contiguous() and addressable(grad.view(-1, grad.shape[2]), dense, gathered))
+    return (grad.is_cuda and not interpreter_active() and grad.element_size() == 2 and plan.block_m == tile_m
+            and grad.shape[1] % tile_m == 0 and grad.is_contiguous() and plan.hidden % 16 == 0
+            and gathered.stride(0) % 16 == 0 and addressable(grad.view(-1, grad.shape[2]), dense, gathered))
 
 
 def _weight_grad_gluon(plan: BackwardPlan, name: str, gathered, dense, grad) -> bool:

@@ -318,7 +318,8 @@ def _weight_grad_producer(gathered_ptr, desc_dense, a_smem, b_smem, ready, empty
     if GATHERED_A:  # (BLOCK_K, HALF_M) pieces of dY
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
         width: gl.constexpr = HALF_M
-    else:  # a (BLOCK_K, WEIGHT_GRAD_N) piece of x, 128 columns a warp (16 rows a thread: 8 measured faster)
+    else:  # a (BLOCK_K, WEIGHT_GRAD_N) piece of x; warps of 2 rows x 128 columns, 8 rows a thread (1 x 256, 16
+        # rows a thread, made d w1 5-11% slower on an H200, runs apart)
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [GATHER_WARPS, 1], [1, 0])
         width: gl.constexpr = WEIGHT_GRAD_N
     offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
@@ -333,13 +334,14 @@ def _weight_grad_producer(gathered_ptr, desc_dense, a_smem, b_smem, ready, empty
             bar = ready.index(stage)
             tokens = gl.load(row_tokens_ptr + r0 + offs_r)
             row_ptrs = gathered_ptr + wide_offset(tokens, stride_g)[:, None]
+            rows_ok = (tokens >= 0)[:, None]  # padding rows: zeros
             if GATHERED_A:  # d w2: dY's columns of the tile's rows of H; weighted_h's of its columns
                 mbarrier.expect(bar, desc_dense.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_dense, [r0, pid_n * WEIGHT_GRAD_N], bar, b_smem.index(stage))
                 for half in gl.static_range(2):
                     cols = pid_m * TILE_M + half * HALF_M + offs_c
                     async_copy.async_copy_global_to_shared(a_smem.index(2 * stage + half), row_ptrs + cols[None, :],
-                                                           mask=(tokens >= 0)[:, None] & (cols < gathered_cols)[None, :])
+                                                           mask=rows_ok & (cols < gathered_cols)[None, :])
             else:  # d w1: d [gate, up]'s columns of the tile's rows of 2I; x's of its columns
                 mbarrier.expect(bar, 2 * desc_dense.block_type.nbytes)
                 for half in gl.static_range(2):
@@ -347,7 +349,7 @@ def _weight_grad_producer(gathered_ptr, desc_dense, a_smem, b_smem, ready, empty
                                                     a_smem.index(2 * stage + half))
                 cols = pid_n * WEIGHT_GRAD_N + offs_c
                 async_copy.async_copy_global_to_shared(b_smem.index(stage), row_ptrs + cols[None, :],
-                                                       mask=(tokens >= 0)[:, None] & (cols < gathered_cols)[None, :])
+                                                       mask=rows_ok & (cols < gathered_cols)[None, :])
             async_copy.mbarrier_arrive(bar, increment_count=False)
             it += 1
 
@@ -396,7 +398,7 @@ def weight_grad_gluon_kernel(
 ):
     """out[e] (M, N) = A[rows of e].T @ B[rows of e], one operand in layout order (desc_dense) and
     the other gathered by each row's token from gathered_ptr ((tokens, gathered_cols), row stride
-    stride_g, 16-byte aligned): GATHERED_A, d w2 = dY[tokens].T @ weighted_h (desc_dense of
+    stride_g; both multiples of 16): GATHERED_A, d w2 = dY[tokens].T @ weighted_h (desc_dense of
     weighted_h (rows, I), boxes (BLOCK_K, WEIGHT_GRAD_N)), else d w1 = d [gate, up].T @ x[tokens]
     (desc_dense of d [gate, up] (rows, 2I), boxes (BLOCK_K, HALF_M)). desc_out: out viewed as
     (E * M, N), boxes (HALF_M, WEIGHT_GRAD_N), M a multiple of TILE_M. row_tokens and expert_blocks
