@@ -428,7 +428,8 @@ def gate_up_backward(grad_gate_up, hidden_states, w1, w2, topk_ids, sorted_pairs
         experts.launch_combine(key, grad_x_pairs, topk_ids, grad_x, E, plan.device_index)
         del grad_x_pairs
     if need_w1_grad:
-        row_tokens = torch.where(sorted_pairs >= 0, sorted_pairs // k, -1)
+        # each row's token; padding rows' -1 stays -1 (floor division), as the kernels read them
+        row_tokens = torch.div(sorted_pairs, k, rounding_mode="floor")
         grad_w1 = gradient_like(w1)
         launch_grad_w1(key, plan, grad_gate_up, x, grad_w1, row_tokens, expert_block_ranges(block_expert, E))
     return grad_x, grad_w1

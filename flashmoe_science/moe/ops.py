@@ -235,9 +235,11 @@ def _down_forward(hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sor
                                      block_rows)
 
 
-_EagerRoute = _eager_function("_EagerRoute", routing.route, _route_setup_context, _route_backward)
-_EagerGateUp = _eager_function("_EagerGateUp", experts.gate_up_for_backward, _gate_up_setup_context,
-                               _gate_up_backward)
+# (The forwards look their functions up at each call, as the custom ops' bodies do.)
+_EagerRoute = _eager_function("_EagerRoute", lambda *inputs: routing.route(*inputs), _route_setup_context,
+                              _route_backward)
+_EagerGateUp = _eager_function("_EagerGateUp", lambda *inputs: experts.gate_up_for_backward(*inputs),
+                               _gate_up_setup_context, _gate_up_backward)
 _EagerDown = _eager_function("_EagerDown", _down_forward, _down_setup_context, _down_backward)
 
 
