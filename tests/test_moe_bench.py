@@ -91,15 +91,15 @@ def test_backward_best_table_marks_kept_entries_and_skips_wrong_candidates():
                                     f"right on every case")
     # The Gluon d [gate, up] (its rows carry the table's GemmConfig) is a choice of its own.
     gluon = table[128].grad_gate_up
-    rows += [row("grad_gate_up", T, gluon, 0.5, gluon_stages=5) for T in (1, 2)]
+    rows += [row("grad_gate_up", T, gluon, 0.5, gluon_stages=3) for T in (1, 2)]
     text = moe_sweeps._best_backward_table(rows, table, 90, 2, torch.bfloat16)
     assert text.splitlines()[1].startswith(f"BACKWARD[90][2][128] = B(G{astuple(gluon)}, G(256, 64, 8, 8, 4), ")
-    assert ", gluon_stages=5, gluon_weight_grad_stages=3, gluon_weight_grads=('grad_w2',))  # the table's grad_w2" \
+    assert ", gluon_stages=3, gluon_weight_grad_stages=3, gluon_weight_grads=('grad_w2',))  # the table's grad_w2" \
         in text.splitlines()[1]
     # So is the Gluon weight-gradient kernel for each weight gradient.
     rows += [row("grad_w1", T, table[128].grad_w1, 0.5, gluon_stages=3) for T in (1, 2)]
     text = moe_sweeps._best_backward_table(rows, table, 90, 2, torch.bfloat16)
-    assert (f"W{astuple(table[128].grad_w1)}, W{w2}, gluon_stages=5, gluon_weight_grad_stages=3)  # the table's "
+    assert (f"W{astuple(table[128].grad_w1)}, W{w2}, gluon_stages=3, gluon_weight_grad_stages=3)  # the table's "
             "grad_w2") in text.splitlines()[1]
 
 

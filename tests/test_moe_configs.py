@@ -150,22 +150,21 @@ def test_tune_picks_a_table_entry_and_later_calls_use_it(device, monkeypatch):
 
 
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
-def test_gluon_grad_gate_up_only_on_hopper_prefill_where_experts_are_not_wider_than_the_model(capability):
-    """The Gluon d [gate, up] kernel (sm90, 128-row blocks, 16-bit) where H >= I: faster there,
-    slower at Mixtral's widths. Its tiles are the Triton entry's columns, so the d topk_weights
-    table the backward allocates per column tile fits either kernel."""
+def test_gluon_grad_gate_up_only_on_hopper_prefill(capability):
+    """The Gluon d [gate, up] kernel (sm90, 128-row blocks, 16-bit) at every prefill shape, Mixtral's
+    widths (the gather_x entry) included. Its tiles are no narrower than the Triton entry's, so the
+    d topk_weights table the backward allocates per column tile fits either kernel."""
     from flashmoe_science.moe._kernels import backward_gluon
 
     device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
-    for (_, _, H, I), gluon in ((SHAPES["mixtral-8x7b"], False), (SHAPES["deepseek-v2-lite"], True),
-                                (SHAPES["qwen3-30b-a3b"], True), (SHAPES["olmoe-1b-7b"], True)):
-        assert bool(configs.backward_config(device, 2, 128, H, I).gluon_stages) == (gluon and capability == 90)
+    for _, _, H, I in (SHAPES[name] for name in ("mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b", "olmoe-1b-7b")):
+        assert bool(configs.backward_config(device, 2, 128, H, I).gluon_stages) == (capability == 90)
         assert not configs.backward_config(device, 2, 64, H, I).gluon_stages
         assert not configs.backward_config(device, 4, 64, H, I).gluon_stages
     for element_size, block_m, cfg in configs.backward_configs(capability):
         if cfg.gluon_stages:
             assert (element_size, block_m) == (2, backward_gluon.TILE_M.value)
-            assert cfg.grad_gate_up.block_n == backward_gluon.BLOCK_N.value
+            assert cfg.grad_gate_up.block_n <= backward_gluon.BLOCK_N.value
 
 
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)

@@ -28,7 +28,7 @@ The launches (kernels in `_kernels/backward.py`), none read back by the host:
    d topk_weights (a (tiles, T * k) fp32 table summed here by one torch reduction), and for
    the weight gradients w_p * h_p and each layout row's token; where the configuration's
    gluon_stages asks and the call suits it (`gluon_grad_gate_up_ok`), the Gluon kernel of
-   `_kernels/backward_gluon.py` (sm90), with the same tiles;
+   `_kernels/backward_gluon.py` (sm90), whose 256 columns a tile fill fewer rows of that table;
 2. grad_x: the (T * k, H) per-pair input gradients, then the forward's combine kernel sums
    each token's k rows in the fixed order j = 0..k-1;
 3. grad_w1 and grad_w2: one program per (expert, tile), each summing its expert's rows in
@@ -97,6 +97,8 @@ class BackwardPlan:
         # Weights with unit stride along either of their last two dimensions are read in place.
         self.copy_w1, self.copy_w2 = (not experts.unit_stride_rows_or_columns(w) for w in (w1, w2))
         cfg, I = self.config, self.inter
+        # Rows of the d topk_weights table: the Triton kernel's column tiles, at least as many as the
+        # Gluon kernel's (configs' test); rows no program writes keep their zeros.
         self.grad_gate_up_tiles = -(-I // cfg.grad_gate_up.block_n)
         self.grids = {
             "grad_gate_up": (self.num_blocks * self.grad_gate_up_tiles, 1, 1),
@@ -179,10 +181,10 @@ def _launch_grad_gate_up_gluon(key, plan: BackwardPlan, grad_out, w2, h, h_grads
     when need_weight_grads is off, unwritten)."""
     bg = backward_gluon
     H, I, E = plan.hidden, plan.inter, plan.num_experts
-    tiles = plan.grids["grad_gate_up"][0]  # the Triton kernel's tiles (the same columns: configs' test)
+    tiles = plan.num_blocks * -(-I // bg.BLOCK_N.value)
 
     def epilogue_box(t):
-        return gluon_descriptor(t, bg.TILE_M.value, bg.EPILOGUE_N.value)
+        return gluon_descriptor(t, bg.HALF_M.value, bg.EPILOGUE_N.value)
     _GRAD_GATE_UP_GLUON.launch(
         key, (min(tiles, info_for(grad_out).sm_count), 1, 1),
         (grad_out, gluon_descriptor(w2.view(E * H, I), bg.BLOCK_K.value, bg.BLOCK_N.value), epilogue_box(h),
@@ -260,12 +262,12 @@ def _launch_weight_grad_gluon(key, plan: BackwardPlan, name: str, gathered, dens
     gathered[tokens of e] (grad_w1) or gathered[tokens of e].T @ dense[rows of e] (grad_w2)."""
     bg = backward_gluon
     E, M, N = grad.shape
-    tiles = E * (M // bg.TILE_M.value) * -(-N // bg.WEIGHT_GRAD_N.value)
-    dense_cols = bg.WEIGHT_GRAD_N.value if name == "grad_w2" else bg.HALF_M.value
+    tiles = E * (M // bg.TILE_M.value) * -(-N // bg.BLOCK_N.value)
+    dense_cols = bg.BLOCK_N.value if name == "grad_w2" else bg.HALF_M.value
     _WEIGHT_GRAD_GLUON[name].launch(
         key, (min(tiles, info_for(grad).sm_count), 1, 1),
         (gathered, gluon_descriptor(dense, bg.BLOCK_K.value, dense_cols),
-         gluon_descriptor(grad.view(E * M, N), bg.HALF_M.value, bg.WEIGHT_GRAD_N.value), row_tokens, expert_blocks,
+         gluon_descriptor(grad.view(E * M, N), bg.HALF_M.value, bg.BLOCK_N.value), row_tokens, expert_blocks,
          E, M, N, plan.hidden, gathered.stride(0), name == "grad_w2", getattr(plan.config, name).group_m,
          plan.config.gluon_weight_grad(name)),
         num_warps=4, num_stages=1, device_index=plan.device_index)

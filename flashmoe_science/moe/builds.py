@@ -237,7 +237,7 @@ def _grad_gate_up_gluon_build(dtype, block_m, cfg):
     descriptor = functools.partial(_gluon_descriptor_type, dtype)
 
     fn = grad_gate_up_gluon_kernel
-    epilogue = descriptor(bg.TILE_M.value, bg.EPILOGUE_N.value)
+    epilogue = descriptor(bg.HALF_M.value, bg.EPILOGUE_N.value)
     constexprs = dict(GROUP_M=cfg.grad_gate_up.group_m, NUM_STAGES=cfg.gluon_stages)
     signature = {name: "i32" for name in fn.arg_names}
     signature.update(grad_out_ptr=f"*{dtype}", desc_w2=descriptor(bg.BLOCK_K.value, bg.BLOCK_N.value), desc_h=epilogue,
@@ -263,9 +263,9 @@ def _weight_grad_gluon_builds(dtype, block_m, cfg):
         constexprs = dict(GATHERED_A=gathered_a, GROUP_M=getattr(cfg, name).group_m,
                           NUM_STAGES=cfg.gluon_weight_grad(name))
         signature = {name: "i32" for name in fn.arg_names}
-        dense_cols = bg.WEIGHT_GRAD_N.value if gathered_a else bg.HALF_M.value
+        dense_cols = bg.BLOCK_N.value if gathered_a else bg.HALF_M.value
         signature.update(gathered_ptr=f"*{dtype}", desc_dense=descriptor(bg.BLOCK_K.value, dense_cols),
-                         desc_out=descriptor(bg.HALF_M.value, bg.WEIGHT_GRAD_N.value), row_tokens_ptr="*i32",
+                         desc_out=descriptor(bg.HALF_M.value, bg.BLOCK_N.value), row_tokens_ptr="*i32",
                          expert_blocks_ptr="*i32")
         signature.update({name: "constexpr" for name in constexprs})
         yield KernelBuild(f"moe_{name}_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_weight_grad(name)} "

@@ -221,15 +221,13 @@ _BACKWARD_FP32 = {
 # Qwen3-30B-A3B, 1.683 -> 1.559 on OLMoE-1B-7B, 1.747 -> 1.650 on DeepSeek-V2-Lite against
 # four, Mixtral-8x7B within 0.4%; wider tiles (BLOCK_N 256) and 128-deep K steps are slower
 # (out of tree, H100).
-# The Gluon grad_gate_up (gluon_stages) runs where the experts are no wider than the model (H >= I):
-# alone, inside forward+backward on an H200 (benchmarks/results/moe_grad_gate_up_gluon.json, the
-# Triton kernel in the same run), at 16k tokens Qwen3-30B-A3B 1.087 -> 0.984 ms, DeepSeek-V2-Lite
-# 1.523 -> 1.334, OLMoE-1B-7B 1.438 -> 1.283; at 4096 0.336 -> 0.317, 0.442 -> 0.384 and
-# 0.420 -> 0.371; the same d x, d w1 and d w2 bits, the router logits' gradients within 3e-6 (d
-# topk_weights sums its rows in another order). Five stages were faster than six or within 2%.
-# Mixtral-8x7B (H < I, the BACKWARD_GATHER_X entry) keeps the Triton kernel: 8.63 against 9.42 ms
-# at 16k tokens (its 4096-deep K loop runs slower in the Gluon kernel than the Triton kernel's
-# epilogue costs).
+# The Gluon grad_gate_up (gluon_stages) runs at every prefill shape: alone, inside forward+backward on
+# an H200 (benchmarks/results/moe_grad_gate_up_gluon_coop/, the Triton kernel in the same run),
+# Triton -> Gluon at 16k tokens: Qwen3-30B-A3B 1.091 -> 0.908 ms, DeepSeek-V2-Lite 1.512 -> 1.286,
+# OLMoE-1B-7B 1.372 -> 1.183; at 4096 0.333 -> 0.321, 0.424 -> 0.394 and 0.389 -> 0.339; Mixtral-8x7B
+# 8.22 -> 7.38 at 16k and 2.06 -> 1.90 at 4096. The same d x, d w1 and d w2 bits, the router logits'
+# gradients within 3e-7 (d topk_weights sums its rows in another order). Three stages are all that
+# fit beside the epilogue's buffers.
 # The Gluon weight-gradient kernel (gluon_weight_grad_stages; its three buffers, 213 KB with its
 # output's, are all that fit) runs at every prefill shape: d w1 and d w2 alone, inside
 # forward+backward on an H200 (benchmarks/results/moe_weight_grad_gluon.json, the Triton kernels
@@ -243,7 +241,7 @@ _BACKWARD_FP32 = {
 # DeepSeek-V2-Lite at 16k (moe_weight_grad_gluon/wg_prof.json).
 _HOPPER_BACKWARD = {**_BACKWARD_LARGE_SMEM,
                     128: replace(_BACKWARD_LARGE_SMEM[128], grad_gate_up=G(128, 64, 8, 8, 6), tma=True,
-                                 gluon_stages=5, gluon_weight_grad_stages=3)}
+                                 gluon_stages=3, gluon_weight_grad_stages=3)}
 BACKWARD = {
     90: {2: _HOPPER_BACKWARD, 4: _BACKWARD_FP32},
     80: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},
@@ -260,7 +258,7 @@ BACKWARD = {
 # costs more of the peak than it saves time: DeepSeek-V2-Lite 1.03x for +2-10%, Qwen3-30B-A3B
 # 1.01-1.02x for +14-31%, OLMoE-1B-7B 1.02-1.04x for +1-17%; those keep the gathering kernel.
 BACKWARD_GATHER_X = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True,
-                                           gluon_stages=0, gluon_weight_grads=("grad_w2",))}}}
+                                           gluon_weight_grads=("grad_w2",))}}}
 del G, B, W
 
 # The largest BLOCK_M of any table (bounds the padding rows of the sorted layout).

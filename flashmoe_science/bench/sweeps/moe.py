@@ -46,9 +46,9 @@ WEIGHT_GRAD_CANDIDATES = [(bm, bn, bk, 8, w, st) for bm, bn, w in _WEIGHT_GRAD_T
                           for st in (4, 5)]
 # On Hopper, grad_gate_up also tries its Gluon kernel (`BackwardConfig.gluon_stages`) and each weight
 # gradient the Gluon weight-gradient kernel (`BackwardConfig.gluon_weight_grad_stages` and
-# `gluon_weight_grads`; its three buffers are all that fit) at these pipeline depths where a case
+# `gluon_weight_grads`) at these pipeline depths (three buffers are all that fit either) where a case
 # suits it; their Triton candidates run without.
-GLUON_STAGES = {"grad_gate_up": (4, 5, 6), "grad_w1": (3,), "grad_w2": (3,)}
+GLUON_STAGES = {"grad_gate_up": (3,), "grad_w1": (3,), "grad_w2": (3,)}
 
 
 def _gluon_changes(kernel, stages) -> dict:

@@ -17,7 +17,7 @@ configuration, launch); these files hold the algorithm.
   and the per-expert weight gradients), and the copy of x into layout order that dW1 reads
   where its configuration asks (`gather_rows_kernel`).
 - `backward_gluon.py`: d [gate, up] and the weight gradients for Hopper prefill in Gluon
-  (warp-specialised, persistent, token rows gathered by copy warps; d [gate, up]'s consumers
-  alternate tiles, one's epilogue overlapping the other's products; the weight gradients' share
-  each tile, its store overlapping the next tile's products).
+  (warp-specialised, persistent, token rows gathered by copy warps, two consumer warpgroups
+  sharing each 128 x 256 tile; d [gate, up]'s epilogue operands loaded ahead of their use, every
+  output stored by TMA under the next products).
 """
