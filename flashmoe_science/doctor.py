@@ -194,7 +194,8 @@ def _check_moe(gpu: bool, quick: bool) -> bool:
         logits = torch.randn(tokens, experts, device=device, dtype=dtype)
         clear_records()
         out = fused_moe(x, w1, w2, logits, top_k)
-        records = [last_launch(op) for op in ("moe_route", "moe_align", "moe_gate_up", "moe_down", "moe_combine")]
+        records = [last_launch(op) for op in ("moe_route", "moe_align", "moe_gate_up", "moe_down", "moe_down_gluon",
+                                               "moe_combine")]
         weights, ids = moe_route(logits, top_k)
         ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
         torch_err = rel_error(fused_experts_torch(x, w1, w2, weights, ids), ref)

@@ -44,6 +44,23 @@ def test_sweep_prints_a_table_for_each_bucket():
     assert {r["gemm"] for r in result["rows"]} == {"gate_up", "down"}
 
 
+def test_sweep_table_keeps_the_entrys_gluon_down_where_its_blocks_and_descriptors_stay():
+    """The forward sweep times the Triton kernels: a picked prefill entry with the table's BLOCK_M
+    and descriptors keeps the table's Gluon down stages; another pick drops them."""
+    table = configs.EXPERTS[90][2]
+    entry = dict(table)[None]
+    assert entry.gluon_down_stages
+
+    def rows(block_m, tma):
+        return [{"shape": "s", "T": 1, "bucket": moe_sweeps._bucket_name(bound), "gemm": gemm, "block_m": block_m,
+                 "tma": tma, **asdict(configs.GemmConfig(128, 64, 8, 8, 4)), "ms": 1.0, "error": None}
+                for bound, _ in table for gemm in ("gate_up", "down")]
+    kept = moe_sweeps._best_table(rows(entry.block_m, True), table, 90, 2, torch.bfloat16).splitlines()[-2]
+    assert kept.startswith("    (None, X(128, ") and kept.endswith(f", tma=True, gluon_down_stages={entry.gluon_down_stages})),")
+    dropped = moe_sweeps._best_table(rows(entry.block_m, False), table, 90, 2, torch.bfloat16).splitlines()[-2]
+    assert "gluon_down_stages" not in dropped
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers this at real shapes")
 def test_backward_sweep_times_each_kernel_and_prints_table_entries():
     result = moe.run(parse("--sweep", "--mode", "fwd+bwd", "--tokens", "33", "40"))

@@ -168,6 +168,21 @@ def test_gluon_grad_gate_up_only_on_hopper_prefill(capability):
 
 
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
+def test_gluon_down_only_in_hoppers_16_bit_prefill_entry(capability):
+    """The Gluon down GEMM (sm90, 128-row blocks, descriptors, 16-bit) runs in the prefill bucket
+    of Hopper's 16-bit table, and its builds are shipped there."""
+    from flashmoe_science.moe._kernels import forward_gluon
+
+    for element_size, cfg in configs.experts_configs(capability):
+        if cfg.gluon_down_stages:
+            assert (element_size, cfg.block_m, cfg.tma) == (2, forward_gluon.TILE_M.value, True)
+    prefill = dict(configs.EXPERTS[configs.family_of(capability)][2])[None]
+    assert bool(prefill.gluon_down_stages) == (capability == 90)
+    labels = [b.label for b in builds.shipped_builds(capability) if b.label.startswith("moe_down_gluon")]
+    assert sorted(label.split()[1] for label in labels) == (["bf16", "fp16"] if capability == 90 else [])
+
+
+@pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
 def test_gluon_weight_gradients_on_hopper_prefill_but_mixtrals_d_w1(capability):
     """The Gluon weight-gradient kernel (sm90, 128-row blocks, 16-bit) for both weight gradients
     where H >= I, and for d w2 alone at Mixtral's widths, whose d w1 is faster reading x copied

@@ -293,6 +293,55 @@ def test_tma_forward_falls_back_where_tensors_are_not_addressable(device, poison
     assert_same_bits(outs[False], outs[True])
 
 
+def test_gluon_down_runs_only_on_hopper(device, poisoned, forced_experts_config):  # noqa: F811
+    """A configuration asking for the Gluon down GEMM runs the Triton kernel where the Gluon one
+    cannot: in the interpreter and on the CPU, for fp32, for a w2 that is not contiguous."""
+    forced_experts_config(functools.partial(dataclasses.replace, tma=True, gluon_down_stages=4))
+    T, E, k, H, I = 200, 4, 2, 64, 32  # 100 pairs an expert: the prefill tiles
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    for dtype, transposed in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
+        x, w1, w2 = make_layer(T, E, H, I, dtype, device)
+        if transposed:
+            w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+        weights, ids = moe_route(torch.randn(T, E, device=device), k)
+        clear_records()
+        fused_experts(x, w1, w2, weights, ids)
+        gluon = hopper and dtype == torch.float16 and not transposed
+        assert (last_launch("moe_down_gluon") is not None) == gluon
+        assert (last_launch("moe_down") is None) == gluon
+
+
+# (E, k, H, I, T): H = 1440 ends in a partial column tile, I = 656 in a partial K step; expert 1
+# gets no token and one slot is dropped.
+GLUON_DOWN_SHAPES = [(16, 4, 1024, 384, 1024), (8, 2, 1440, 656, 1000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("E,k,H,I,T", GLUON_DOWN_SHAPES)
+def test_gluon_down_gives_the_triton_kernels_bits(poisoned, forced_experts_config, E, k, H, I, T,
+                                                   dtype):  # noqa: F811
+    """The Gluon down GEMM (sm90) against the Triton kernel it replaces at prefill sizes: the same
+    bits (both sum each K step's products in order, then scale by the routing weight in fp32), and
+    the float64 reference."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon down kernel runs on sm90")
+    x, w1, w2 = make_layer(T, E, H, I, dtype, "cuda")
+    weights, ids = moe_route(torch.randn(T, E, device="cuda"), k)
+    ids = torch.where(ids == 1, 0, ids)
+    ids[3, 0] = -1
+    outs = {}
+    for stages in (0, 4):
+        forced_experts_config(functools.partial(dataclasses.replace, gluon_down_stages=stages))
+        clear_records()
+        outs[stages] = fused_experts(x, w1, w2, weights, ids)
+        assert (last_launch("moe_down_gluon") is not None) == bool(stages)
+        assert last_launch("moe_down_gluon" if stages else "moe_down").grid[0] > 0
+    assert torch.equal(outs[0], outs[4])
+    ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+    check_against_reference(outs[4], ref, fused_experts_torch(x, w1, w2, weights, ids))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_compiled_inference_is_one_op_whatever_the_token_count(device, dtype):
     """torch.compile(fullgraph=True) with no gradient wanted (decoding under CUDA graphs): each call

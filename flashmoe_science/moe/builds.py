@@ -100,6 +100,8 @@ def _builds(capability: int):
                             d.num_warps, d.num_stages,
                             aligned=("H", "I", "stride_we", "stride_wk" if bias else "stride_wn"),
                             descriptors=tma and descriptors["moe_down"])
+            if cfg.gluon_down_stages and capability == 90 and not tma:
+                yield _down_gluon_build(dtype, cfg)
     # (label, dtype, config, whether BLOCK_K divides the layout's BLOCK_M, tma, gpt-oss's layout,
     # x read in layout order); gathers: the dtypes of gather_rows_kernel's builds
     weight_grads, gathers = {}, {}
@@ -227,6 +229,22 @@ def _gluon_descriptor_type(dtype, rows, cols) -> str:
     (the shared-memory layout is part of it)."""
     from ..tma import gluon_box_layout
     return f"tensordesc<{dtype}[{rows},{cols}],{gluon_box_layout(rows, cols)!r}>"
+
+
+def _down_gluon_build(dtype, cfg):
+    """The Gluon down kernel of experts configuration `cfg` (sm90)."""
+    from ._kernels import forward_gluon as fg
+    from ._kernels.forward_gluon import down_gluon_kernel
+
+    fn = down_gluon_kernel
+    constexprs = dict(GROUP_M=cfg.down.group_m, NUM_STAGES=cfg.gluon_down_stages)
+    signature = {name: "i32" for name in fn.arg_names}
+    signature.update(desc_h=_gluon_descriptor_type(dtype, fg.TILE_M.value, fg.BLOCK_K.value),
+                     desc_w2=_gluon_descriptor_type(dtype, fg.BLOCK_N.value, fg.BLOCK_K.value), y_ptr=f"*{dtype}",
+                     weights_ptr="*fp32", sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_rows_ptr="*i32")
+    signature.update({name: "constexpr" for name in constexprs})
+    return KernelBuild(f"moe_down_gluon {dtype} BLOCK_M={cfg.block_m} stages={cfg.gluon_down_stages} "
+                       f"GROUP_M={cfg.down.group_m}", fn, signature, constexprs, 4, 1, aligned=("y_ptr", "H"))
 
 
 def _grad_gate_up_gluon_build(dtype, block_m, cfg):

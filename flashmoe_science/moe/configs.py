@@ -56,15 +56,21 @@ class ExpertsConfig:
     """BLOCK_M of the sorted layout and the tiling of the gate/up and down GEMMs.
     tma: the dense operands (both weight tiles, down's h tile) come through tensor descriptors
     (sm90) instead of pointer loads: the same tiles and products, so the same bits; calls whose
-    tensors TMA cannot address run the pointer kernels with the same tiles."""
+    tensors TMA cannot address run the pointer kernels with the same tiles.
+    gluon_down_stages > 0 (sm90, 128-row blocks, with tma): the down GEMM runs the Gluon kernel
+    (`_kernels/forward_gluon.py`: persistent, warp-specialised, its tiles fixed there) with this
+    many pipeline buffers and down's group_m, where the call suits it (16-bit, no bias, w2
+    contiguous, descriptors possible); other calls run the Triton kernel with down's tiling."""
 
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
     tma: bool = False
+    gluon_down_stages: int = 0
 
     def __str__(self) -> str:
-        return f"BLOCK_M={self.block_m} gate_up[{self.gate_up}] down[{self.down}]" + (" tma" if self.tma else "")
+        return (f"BLOCK_M={self.block_m} gate_up[{self.gate_up}] down[{self.down}]" + (" tma" if self.tma else "")
+                + (f" gluon_down_stages={self.gluon_down_stages}" if self.gluon_down_stages else ""))
 
 
 G, X = GemmConfig, ExpertsConfig
@@ -86,9 +92,15 @@ _LARGE_SMEM = ((8, _DECODE),
 # descriptors the prefill gate/up GEMM runs four stages (Mixtral-8x7B at 1024 tokens 1.15
 # against 1.36 ms for three), the middle bucket's down GEMM three (Mixtral-8x7B at 256 tokens
 # 351 against 402 us for four).
+# The prefill bucket's down GEMM runs the Gluon kernel (4 stages, 213 KB): against the Triton kernel
+# on an H200, inside fused_moe (benchmarks/results/moe_down_gluon/, alternating in one process, the
+# same bits of every output and gradient), the down GEMM alone takes 0.90-0.92x the time at
+# Qwen3-30B-A3B (0.677-0.680 against 0.736-0.737 ms at 16k tokens, forward), 0.91-0.95x at
+# DeepSeek-V2-Lite, 0.91-0.94x at OLMoE-1B-7B and 0.98-1.01x at Mixtral-8x7B (both near 700 TFLOP/s
+# there), at 4096 and 16k tokens, in the forward and in forward+backward.
 _HOPPER = (_LARGE_SMEM[:2]
            + ((96, X(64, G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 3), tma=True)),)
-           + ((None, replace(_LARGE_SMEM[3][1], tma=True)),))
+           + ((None, replace(_LARGE_SMEM[3][1], tma=True, gluon_down_stages=4)),))
 # sm80: as above, but the middle bucket's gate/up GEMM on eight warps: on four its 64 x 256 fp32
 # accumulator (gate and up interleaved) spills 72-80 bytes a thread under sm80's ptxas.
 _SM80 = _LARGE_SMEM[:2] + ((96, X(64, G(128, 64, 8, 8, 4), G(128, 64, 8, 4, 4))),) + _LARGE_SMEM[3:]

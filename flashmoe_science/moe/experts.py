@@ -32,13 +32,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..device import check_runnable, info_for, interpreter_active
 from ..launch import KernelLauncher, PlanCache
 from ..tma import addressable as tma_addressable
-from ..tma import unchecked_descriptor
+from ..tma import gluon_descriptor, unchecked_descriptor
 from . import configs, fp8, routing
+from ._kernels import forward_gluon
 from ._kernels.combine import combine_kernel, gather_sum_kernel
+from ._kernels.forward_gluon import down_gluon_kernel
 from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
 
 _GATE_UP = KernelLauncher("moe_gate_up", gate_up_kernel, fp32_dots=True)
 _DOWN = KernelLauncher("moe_down", down_kernel, fp32_dots=True)
+_DOWN_GLUON = KernelLauncher("moe_down_gluon", down_gluon_kernel)
 _COMBINE = KernelLauncher("moe_combine", combine_kernel)
 _GATHER_SUM = KernelLauncher("moe_gather_sum", gather_sum_kernel)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -190,10 +193,22 @@ def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, 
 def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, w2, y, topk_weights,
                 device_index, w2_bias=None) -> None:
     """y (T * top_k, H): row p = topk_weights[p] * (h[row of p] @ w2[e].T (+ w2_bias[e])).
-    Biased calls run the pointer path (the builds of the biased kernel)."""
+    Biased calls run the pointer path (the builds of the biased kernel); where the configuration's
+    gluon_down_stages asks and the call suits it, the Gluon kernel of `_kernels/forward_gluon.py`."""
     d = cfg.down
     H, I = y.shape[1], h.shape[1]
     tma = cfg.tma and w2_bias is None and tma_capable(h) and tma_addressable(h, w2)
+    if tma and cfg.gluon_down_stages and gluon_down_suits(h, w2):
+        E = w2.shape[0]
+        fg = forward_gluon
+        _DOWN_GLUON.launch(
+            key, (min(layout.num_blocks * -(-H // fg.BLOCK_N.value), info_for(h).sm_count), 1, 1),
+            (gluon_descriptor(h, fg.TILE_M.value, fg.BLOCK_K.value),
+             gluon_descriptor(w2.view(E * H, I), fg.BLOCK_N.value, fg.BLOCK_K.value), y, topk_weights,
+             layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks, H, I, d.group_m,
+             cfg.gluon_down_stages),
+            num_warps=4, num_stages=1, device_index=device_index)
+        return
     _DOWN.launch(
         launch_key_with_tma(key, tma), (layout.num_blocks * -(-H // d.block_n), 1, 1),
         (tma_descriptor(h, (cfg.block_m, d.block_k)) if tma else h,
@@ -202,6 +217,13 @@ def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, 
          H, I, w2.stride(0), w2.stride(1), w2.stride(2), 0 if w2_bias is None else w2_bias.stride(0), cfg.block_m,
          d.block_n, d.block_k, d.group_m, tma, w2_bias is not None),
         num_warps=d.num_warps, num_stages=d.num_stages, device_index=device_index)
+
+
+def gluon_down_suits(h, w2) -> bool:
+    """Whether `forward_gluon.down_gluon_kernel` can run a down GEMM whose operands TMA can address:
+    an sm90 GPU (not the interpreter), 16-bit, w2 contiguous (viewed as (E * H, I))."""
+    return h.is_cuda and not interpreter_active() and info_for(h).hopper and h.element_size() == 2 and \
+        w2.is_contiguous()
 
 
 def launch_combine(key, y, topk_ids, out, num_experts: int, device_index) -> None:

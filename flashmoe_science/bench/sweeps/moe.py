@@ -198,7 +198,12 @@ def _best_table(rows, table, family, element_size, dtype) -> str:
                 choice = (total, block_m, tma, [cfg for _, cfg in picked])
         if choice is not None:
             _, block_m, tma, (gate_up, down) = choice
-            lines.append(f"    ({bound}, X({block_m}, G{gate_up}, G{down}{', tma=True' if tma else ''})),")
+            # The sweep times the Triton kernels; a table entry's Gluon down (timed against them apart)
+            # stays where the pick keeps its blocks and descriptors.
+            entry = dict(table).get(bound)
+            gluon = (f", gluon_down_stages={entry.gluon_down_stages}" if entry is not None and entry.gluon_down_stages
+                     and (block_m, tma) == (entry.block_m, entry.tma) else "")
+            lines.append(f"    ({bound}, X({block_m}, G{gate_up}, G{down}{', tma=True' if tma else ''}{gluon})),")
     lines.append(")")
     return "\n".join(lines)
 

@@ -1,4 +1,5 @@
-"""Triton (and, for Hopper's FP8 prefill and backward GEMMs, Gluon) kernels of the fused MoE forward and backward.
+"""Triton (and, for Hopper's prefill down, FP8 and backward GEMMs, Gluon) kernels of the fused MoE forward
+and backward.
 Private: the public modules one level up hold the contract (argument checks, allocation,
 configuration, launch); these files hold the algorithm.
 
@@ -16,6 +17,8 @@ configuration, launch); these files hold the algorithm.
 - `backward.py`: the backward GEMMs over the same layout (activation gradient, input gradient,
   and the per-expert weight gradients), and the copy of x into layout order that dW1 reads
   where its configuration asks (`gather_rows_kernel`).
+- `forward_gluon.py`: the down GEMM for Hopper prefill in Gluon (warp-specialised, persistent,
+  both operands by TMA, two consumer warpgroups sharing each 128 x 256 tile).
 - `backward_gluon.py`: d [gate, up] and the weight gradients for Hopper prefill in Gluon
   (warp-specialised, persistent, token rows gathered by copy warps, two consumer warpgroups
   sharing each 128 x 256 tile; d [gate, up]'s epilogue operands loaded ahead of their use, every
