@@ -40,6 +40,11 @@ fi
 # their first calls (QuACK's object cache and the DSL's own, keyed by source and versions), so a
 # fresh machine skips those minutes; the call's cache comes back as $OUT/jit_cache.tar.gz, to
 # unpack into that folder for the next call.
+# SonicMoE's first call on a shape autotunes each QuACK GEMM over its sm90 configurations (22-44),
+# compiling every one: past 560 s on a 16-core machine before its tiny check layer had finished.
+# The compiles run in QUACK_COMPILE_WORKERS processes (QuACK's default 8): one per core here, so a
+# machine with more cores (the multi-GPU kinds) warms it faster.
+export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
 if [ -n "${JIT_CACHE:-}" ]; then
   mkdir -p "$JIT_CACHE/quack" "$JIT_CACHE/cute_dsl" || exit 1
   JIT_CACHE=$(cd "$JIT_CACHE" && pwd)

@@ -295,20 +295,24 @@ def test_tma_forward_falls_back_where_tensors_are_not_addressable(device, poison
 
 def test_gluon_down_runs_only_on_hopper(device, poisoned, forced_experts_config):  # noqa: F811
     """A configuration asking for the Gluon down GEMM runs the Triton kernel where the Gluon one
-    cannot: in the interpreter and on the CPU, for fp32, for a w2 that is not contiguous."""
-    forced_experts_config(functools.partial(dataclasses.replace, tma=True, gluon_down_stages=4))
+    cannot: in the interpreter and on the CPU, for fp32, for a w2 that is not contiguous, over
+    blocks of other than 128 rows."""
     T, E, k, H, I = 200, 4, 2, 64, 32  # 100 pairs an expert: the prefill tiles
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    for dtype, transposed in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
+    for dtype, transposed, block_m in ((torch.float16, False, 128), (torch.float32, False, 128),
+                                       (torch.float16, True, 128), (torch.float16, False, 64)):
+        forced_experts_config(functools.partial(dataclasses.replace, tma=True, gluon_down_stages=4, block_m=block_m))
         x, w1, w2 = make_layer(T, E, H, I, dtype, device)
         if transposed:
             w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
         weights, ids = moe_route(torch.randn(T, E, device=device), k)
         clear_records()
-        fused_experts(x, w1, w2, weights, ids)
-        gluon = hopper and dtype == torch.float16 and not transposed
+        out = fused_experts(x, w1, w2, weights, ids)
+        gluon = hopper and dtype == torch.float16 and not transposed and block_m == 128
         assert (last_launch("moe_down_gluon") is not None) == gluon
         assert (last_launch("moe_down") is None) == gluon
+        ref = fused_experts_torch(x.double(), w1.double(), w2.double(), weights.double(), ids)
+        check_against_reference(out, ref, fused_experts_torch(x, w1, w2, weights, ids))
 
 
 # (E, k, H, I, T): H = 1440 ends in a partial column tile, I = 656 in a partial K step; expert 1

@@ -198,7 +198,7 @@ def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, 
     d = cfg.down
     H, I = y.shape[1], h.shape[1]
     tma = cfg.tma and w2_bias is None and tma_capable(h) and tma_addressable(h, w2)
-    if tma and cfg.gluon_down_stages and gluon_down_suits(h, w2):
+    if tma and cfg.gluon_down_stages and gluon_down_suits(cfg, h, w2):
         E = w2.shape[0]
         fg = forward_gluon
         _DOWN_GLUON.launch(
@@ -219,11 +219,12 @@ def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, 
         num_warps=d.num_warps, num_stages=d.num_stages, device_index=device_index)
 
 
-def gluon_down_suits(h, w2) -> bool:
+def gluon_down_suits(cfg: configs.ExpertsConfig, h, w2) -> bool:
     """Whether `forward_gluon.down_gluon_kernel` can run a down GEMM whose operands TMA can address:
-    an sm90 GPU (not the interpreter), 16-bit, w2 contiguous (viewed as (E * H, I))."""
-    return h.is_cuda and not interpreter_active() and info_for(h).hopper and h.element_size() == 2 and \
-        w2.is_contiguous()
+    an sm90 GPU (not the interpreter), the layout in blocks of its TILE_M rows, 16-bit, w2
+    contiguous (viewed as (E * H, I))."""
+    return (h.is_cuda and not interpreter_active() and info_for(h).hopper
+            and cfg.block_m == forward_gluon.TILE_M.value and h.element_size() == 2 and w2.is_contiguous())
 
 
 def launch_combine(key, y, topk_ids, out, num_experts: int, device_index) -> None:
