@@ -95,26 +95,26 @@ def _launched_build(op, capability):
 
 @pytest.mark.parametrize("T", [1, 3, 200])
 def test_launches_are_shipped_builds(device, T):
-    """One token and one dispatch chunk (routing builds the layout) and several (route + align;
-    count + align)."""
+    """One token and a few (routing builds the layout) and more (route, count and align; from
+    given ids: align alone for one dispatch chunk, else count and align)."""
     E, k, H, I = 8, 2, 32, 16
     x = torch.randn(T, H, device=device)
     w1 = torch.randn(E, 2 * I, H, device=device) / H**0.5
     w2 = torch.randn(E, H, I, device=device) / I**0.5
     logits = torch.randn(T, E, device=device)
     capability = info_for(x).capability
-    one_chunk = T <= configs.CHUNK_TOKENS
+    one_launch = configs.route_layout(T, k) != "none"
     fused_moe(x, w1, w2, logits, k)
     route = _launched_build("moe_route", capability)
-    assert route.constexprs["LAYOUT"] == ("one_token" if T == 1 else "full" if one_chunk else "count")
-    # a launch that builds the layout itself pads the 8 experts to 16, one writing counts to the table's width
-    assert route.constexprs["E_PAD"] == (16 if one_chunk else configs.MAX_EXPERTS)
-    for op in ["moe_gate_up", "moe_down", "moe_combine"] + ([] if one_chunk else ["moe_align"]):
+    assert route.constexprs["LAYOUT"] == ("one_token" if T == 1 else "full" if one_launch else "none")
+    assert route.constexprs["E_PAD"] == 16  # the 8 experts padded to the smallest pad
+    for op in ["moe_gate_up", "moe_down", "moe_combine"] + ([] if one_launch else ["moe_count", "moe_align"]):
         _launched_build(op, capability)
     weights, ids = moe_route(logits, k)
     assert _launched_build("moe_route", capability).constexprs["LAYOUT"] == "none"
     fused_experts(x, w1, w2, weights, ids)
-    for op in ["moe_align", "moe_gate_up", "moe_down", "moe_combine"] + ([] if one_chunk else ["moe_count"]):
+    several_chunks = T > configs.CHUNK_TOKENS
+    for op in ["moe_align", "moe_gate_up", "moe_down", "moe_combine"] + (["moe_count"] if several_chunks else []):
         _launched_build(op, capability)
 
 

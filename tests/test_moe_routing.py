@@ -93,9 +93,10 @@ def check_layout(layout, ids, num_experts):
         layout.num_blocks * layout.block_m - len(rows))
 
 
-# (T, E, k): one token (its layout from its picks alone), one dispatch chunk (T <= 128) and
-# several; up to 200 experts; one expert for all; E at and just past the powers of two that one
-# chunk's routing launch pads the experts to (`configs.route_expert_pad`).
+# (T, E, k): one token (its layout from its picks alone), one launch (`configs.route_layout`: T
+# <= 32 or at most 128 pairs, over one dispatch chunk or two), and routing + count + align; up to
+# 200 experts; one expert for all; E at and just past the powers of two that the routing launch
+# pads the experts to (`configs.route_expert_pad`).
 LAYOUT_CASES = [(1, 8, 2), (1, 200, 8), (1, 1, 1), (33, 8, 3), (70, 64, 8), (300, 8, 2), (300, 200, 4), (129, 1, 1),
                 (40, 16, 4), (40, 17, 5), (5, 128, 8), (20, 129, 8)]
 
@@ -103,7 +104,7 @@ LAYOUT_CASES = [(1, 8, 2), (1, 200, 8), (1, 1, 1), (33, 8, 3), (70, 64, 8), (300
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("T,E,k", LAYOUT_CASES)
 def test_routing_builds_the_sorted_layout(device, poisoned, T, E, k, block_m):
-    """fused_moe's path: routing and layout in one launch (one chunk) or route + align."""
+    """fused_moe's path: routing and layout in one launch (few tokens) or route + count + align."""
     plan = routing.DispatchPlan(T, E, k, block_m, torch.device(device))
     assert (plan.num_chunks == 1) == (T <= configs.CHUNK_TOKENS)
     logits = torch.randn(T, E, device=device)

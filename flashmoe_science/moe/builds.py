@@ -12,7 +12,7 @@ from ..kernel_build import KernelBuild
 from .configs import (_TRITON_DTYPES, ACTIVATIONS, COMBINE_BLOCK_H, COMBINE_BLOCK_T, COMBINE_STAGES, COMBINE_WARPS,
                       COUNT_TILE, DISPATCH_ROWS, DISPATCH_STAGES, DISPATCH_WARPS, FP8_GATHER_ROWS, FP8_GROUP,
                       FP8_QUANTIZE_ROWS, GATHER_ROWS_TILE, GATHER_ROWS_WARPS, MAX_EXPERTS, MAX_TOP_K, ROUTE_EXPERT_PADS,
-                      SORT_PAIRS, backward_configs, experts_configs, fp8_configs, route_expert_pad, route_rows,
+                      SORT_PAIRS, backward_configs, experts_configs, fp8_configs, route_rows,
                       route_warps)
 
 
@@ -199,12 +199,11 @@ def _builds(capability: int):
                         dict(BLOCK_T=FP8_QUANTIZE_ROWS, GROUP=FP8_GROUP), 4, 1, aligned=("H", "stride_xt"))
     tiles = dict(E_PAD=MAX_EXPERTS, PAIRS=SORT_PAIRS, TILE_B=DISPATCH_ROWS)
     for dtype in ("fp16", "bf16", "fp32"):
-        for mode in ("none", "count", "full", "one_token"):
-            for pad in sorted({route_expert_pad(e, mode) for e in ROUTE_EXPERT_PADS}):
+        for mode in ("none", "full", "one_token"):
+            for pad in ROUTE_EXPERT_PADS:
                 yield build(f"moe_route logits={dtype} layout={mode} E_PAD={pad}", route_kernel,
-                            dict(logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32", counts_ptr="*i32",
-                                 **layout),
-                            dict(K_PAD=MAX_TOP_K, ROWS=route_rows(mode), LAYOUT=mode, **{**tiles, "E_PAD": pad}),
+                            dict(logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32", **layout),
+                            dict(K_PAD=MAX_TOP_K, ROWS=route_rows(mode, pad), LAYOUT=mode, **{**tiles, "E_PAD": pad}),
                             route_warps(mode), DISPATCH_STAGES)
     yield build("moe_count", count_pairs_kernel, dict(ids_ptr="*i32", counts_ptr="*i32"),
                 dict(E_PAD=MAX_EXPERTS, COUNT_TILE=COUNT_TILE), DISPATCH_WARPS, DISPATCH_STAGES)

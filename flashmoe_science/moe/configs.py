@@ -285,21 +285,28 @@ GATHER_ROWS_TILE = (32, 128)
 GATHER_ROWS_WARPS = 4
 
 # Routing and dispatch tiles. The expert dimension is padded to MAX_EXPERTS in the count and
-# align kernels (one build covers every E) and in the routing launch that writes a count table for
-# them; tiles of (DISPATCH_ROWS, MAX_EXPERTS) hold ROUTE_TILE elements: tokens per routing step,
-# count-table rows per load, blocks per block-table step.
+# align kernels (one build covers every E); tiles of (DISPATCH_ROWS, MAX_EXPERTS) hold ROUTE_TILE
+# elements: count-table rows per load, blocks per block-table step.
 MAX_EXPERTS = 256
 MAX_TOP_K = 8
 ROUTE_TILE = 4096
 DISPATCH_ROWS = ROUTE_TILE // MAX_EXPERTS
-# A routing launch that builds the whole layout itself ("one_token", "full": every call of at most
-# CHUNK_TOKENS tokens) pads the experts only to the next power of two of E, at least 16, and runs
-# 1 warp for one token, 8 for more. H100, the launch alone, 20 in a CUDA graph, against E_PAD 256
-# and 4 warps: Qwen3-30B-A3B (E 128, k 8) T = 1 4.3 -> 3.9 us, T = 4 12.8 -> 8.1, T = 64
-# 47.0 -> 29.5; DeepSeek-V2-Lite (64, 6) T = 1 4.1 -> 3.3, T = 4 10.7 -> 5.6, T = 64 36.2 -> 17.6;
-# Mixtral (8, 2) T = 1 3.0 -> 2.8, T = 4 8.4 -> 4.0, T = 64 20.7 -> 7.3; the same bits
-# (`bench/sweeps/moe_decode.py route`, benchmarks/results/moe_decode/route_sweep.txt).
+# The routing launch pads the experts only to the next power of two of E, at least 16. A launch
+# that builds the whole layout itself ("one_token", "full": small calls, ONE_LAUNCH_TOKENS) runs
+# 1 warp for one token, 8 for more. H100, the launch alone, 20 in a CUDA graph,
+# against E_PAD 256 and 4 warps: Qwen3-30B-A3B (E 128, k 8) T = 1 4.3 -> 3.9 us, T = 4 12.8 -> 8.1,
+# T = 64 47.0 -> 29.5; DeepSeek-V2-Lite (64, 6) T = 1 4.1 -> 3.3, T = 4 10.7 -> 5.6, T = 64
+# 36.2 -> 17.6; Mixtral (8, 2) T = 1 3.0 -> 2.8, T = 4 8.4 -> 4.0, T = 64 20.7 -> 7.3; the same
+# bits (`bench/sweeps/moe_decode.py route`, benchmarks/results/moe_decode/route_sweep.txt).
 ROUTE_EXPERT_PADS = (16, 32, 64, 128, 256)
+# Routing alone ("none": larger calls, whose layout a count and an align launch then build, and
+# calls without a layout) spreads the tokens over programs of ROUTE_PROGRAM_ROWS rows, 4 warps
+# each. H200, bf16 logits, the routing launch against 128-token chunks of 16-row steps (the
+# chunks' expert counts written by the routing program, so one program a chunk): Qwen3-30B-A3B
+# T = 256 37.9 -> 5.4 us, T = 16384 38.7 -> 16.0 (+ 2.1 for the count launch); DeepSeek-V2-Lite
+# 31.2 -> 3.1 and 31.9 -> 7.3; Mixtral 32.8 -> 2.0 and 35.0 -> 3.1, the same bits
+# (benchmarks/results/moe_routing/route_exp.txt).
+ROUTE_PROGRAM_ROWS = 32
 # A single token (decode at batch 1) is routed as a one-row tile, and its layout written from
 # its k picks without the counting sort ("one_token"). H100, bf16, T = 1: the routing launch
 # 10.7 -> 4.3 us on Qwen3-30B-A3B (a profile of the launches), the whole layer in a CUDA graph
@@ -309,22 +316,31 @@ ROUTE_EXPERT_PADS = (16, 32, 64, 128, 256)
 # batch sizes.
 
 
-def route_layout(num_tokens: int, num_chunks: int) -> str:
+def route_layout(num_tokens: int, top_k: int) -> str:
     """What the routing launch of a call that needs the layout writes besides the picks: the
-    whole layout ("one_token", "full") or its chunk's expert counts for an align launch."""
-    return "one_token" if num_tokens == 1 else "full" if num_chunks == 1 else "count"
+    whole layout ("one_token", "full"), or nothing ("none": count and align launches build it)."""
+    if num_tokens == 1:
+        return "one_token"
+    one_launch = num_tokens <= ONE_LAUNCH_TOKENS or num_tokens * top_k <= ONE_LAUNCH_PAIRS
+    return "full" if one_launch else "none"
 
 
-def route_rows(layout: str) -> int:
-    """Token rows per routing step of the routing launch building `layout`."""
-    return 1 if layout == "one_token" else DISPATCH_ROWS
+def route_rows(layout: str, expert_pad: int) -> int:
+    """Token rows per routing step of the routing launch building `layout` with experts padded to
+    expert_pad ("none": at most ROUTE_TILE scores, at most a program's rows)."""
+    if layout == "one_token":
+        return 1
+    return min(ROUTE_TILE // expert_pad, ROUTE_PROGRAM_ROWS) if layout == "none" else DISPATCH_ROWS
 
 
-def route_expert_pad(num_experts: int, layout: str) -> int:
-    """E_PAD of the routing launch building `layout` for num_experts experts."""
-    if layout in ("one_token", "full"):
-        return next(pad for pad in ROUTE_EXPERT_PADS if pad >= num_experts)
-    return MAX_EXPERTS
+def route_program_tokens(layout: str, num_tokens: int) -> int:
+    """Tokens a program of the routing launch building `layout` for num_tokens tokens routes."""
+    return ROUTE_PROGRAM_ROWS if layout == "none" else num_tokens
+
+
+def route_expert_pad(num_experts: int) -> int:
+    """E_PAD of a routing launch for num_experts experts."""
+    return next(pad for pad in ROUTE_EXPERT_PADS if pad >= num_experts)
 
 
 def route_warps(layout: str) -> int:
@@ -337,10 +353,19 @@ SORT_PAIRS = 64
 COUNT_TILE = 1024
 DISPATCH_WARPS = 4
 DISPATCH_STAGES = 1
-# The dispatch works in chunks of at least CHUNK_TOKENS tokens, at most MAX_CHUNKS of them
-# (each align program reads the whole (chunks, E_PAD) count table); a call with a single chunk
-# is routed and laid out by one program in one launch.
-CHUNK_TOKENS = 128
+# Calls of at most ONE_LAUNCH_TOKENS tokens, or ONE_LAUNCH_PAIRS token-expert pairs, are routed
+# and laid out by one program in one launch; larger ones by routing, count and align launches.
+# H200, routing with the layout in CUDA graphs, one launch -> three: Qwen3-30B-A3B T = 32 17.6 ->
+# 23.9 us, T = 64 27.6 -> 21.7, T = 128 46.9 -> 19.7; DeepSeek-V2-Lite 10.5 -> 15.7, 17.5 -> 15.3,
+# 29.9 -> 14.6; Mixtral (k 2) 4.4 -> 7.1, 7.0 -> 9.0, 12.3 -> 9.2 (moe_routing/one_launch.txt).
+# The layout is built in chunks of at least CHUNK_TOKENS tokens, at most MAX_CHUNKS of them
+# (each align program reads the whole (chunks, E_PAD) count table). H200, count + align launches
+# against 128-token chunks: Qwen3-30B-A3B T = 256 35.2 -> 12.4 us, T = 4096 31.1 -> 16.7;
+# DeepSeek-V2-Lite 26.2 -> 9.5 and 25.0 -> 15.0; Mixtral 11.0 -> 6.3 and 12.1 -> 11.8; at 16k
+# tokens the chunks are 128 tokens either way (benchmarks/results/moe_routing/align_exp.txt).
+ONE_LAUNCH_TOKENS = 32
+ONE_LAUNCH_PAIRS = 128
+CHUNK_TOKENS = 32
 MAX_CHUNKS = 128
 # Combine tile: BLOCK_T tokens x BLOCK_H columns, reading top_k rows of y for each.
 COMBINE_BLOCK_T = 8

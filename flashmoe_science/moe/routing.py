@@ -96,30 +96,28 @@ class DispatchPlan:
 def route_pairs(router_logits: torch.Tensor, plan: DispatchPlan, key, *, sigmoid: bool, renormalize: bool,
                 with_layout: bool):
     """Routes every token; returns (topk_weights (T, k) fp32, topk_ids (T, k) int32, PairLayout or
-    None). With one dispatch chunk the routing launch also builds the layout (for one token,
-    from its picks without a sort); otherwise it writes per-chunk expert counts and one align
-    launch follows. `key` must determine the kernels' specialisation (shapes, strides, dtypes,
-    alignment of router_logits)."""
+    None). For small calls (`configs.route_layout`) the routing launch also builds the layout
+    (for one token, from its picks without a sort); otherwise it spreads the tokens over many
+    programs, and `align_pairs`' launches build the layout. `key` must determine the kernels'
+    specialisation (shapes, strides, dtypes, alignment of router_logits)."""
     device = router_logits.device
     weights = allocate((plan.num_tokens, plan.top_k), torch.float32, device)
     ids = allocate((plan.num_tokens, plan.top_k), torch.int32, device)
-    counts = layout = None
-    mode = configs.route_layout(plan.num_tokens, plan.num_chunks) if with_layout else "none"
-    if mode != "none":
-        layout = plan.layout_buffers(device)
-    if mode == "count":
-        counts = allocate((plan.num_chunks, configs.MAX_EXPERTS), torch.int32, device)
+    mode = configs.route_layout(plan.num_tokens, plan.top_k) if with_layout else "none"
+    layout = plan.layout_buffers(device) if mode != "none" else None
     tables = (ids, ids, ids) if layout is None else (layout.sorted_pairs, layout.block_expert, layout.block_rows)
+    program_tokens = configs.route_program_tokens(mode, plan.num_tokens)
+    expert_pad = configs.route_expert_pad(plan.num_experts)
     _ROUTE.launch(
-        key, (plan.num_chunks, 1, 1),
-        (router_logits, weights, ids, ids if counts is None else counts, *tables,
+        key, (max(1, -(-plan.num_tokens // program_tokens)), 1, 1),
+        (router_logits, weights, ids, *tables,
          plan.num_tokens, plan.num_experts, router_logits.stride(0), plan.top_k, int(sigmoid), int(renormalize),
-         plan.chunk_tokens, plan.block_m, plan.num_blocks,
-         configs.route_expert_pad(plan.num_experts, mode), configs.MAX_TOP_K, configs.route_rows(mode), mode,
+         program_tokens, plan.block_m, plan.num_blocks,
+         expert_pad, configs.MAX_TOP_K, configs.route_rows(mode, expert_pad), mode,
          configs.SORT_PAIRS, configs.DISPATCH_ROWS),
         num_warps=configs.route_warps(mode), num_stages=configs.DISPATCH_STAGES, device_index=plan.device_index)
-    if mode == "count":
-        plan.launch_align(key, ids, counts, layout)
+    if with_layout and mode == "none":
+        layout = align_pairs(ids, plan, key)
     return weights, ids, layout
 
 

@@ -10,8 +10,8 @@ how many of its rows hold pairs; the rest of the block is padding the GEMMs mask
 is read back by the host, so the whole layer can be captured in a CUDA graph.
 
 The layout is built in chunks of consecutive pairs, one program per chunk:
-1. count: each chunk's per-expert histogram goes to row c of a (chunks, E_PAD) table (the
-   routing kernel writes it as it routes; `count_pairs_kernel` when the ids come from the user);
+1. count: each chunk's per-expert histogram goes to row c of a (chunks, E_PAD) table
+   (`count_pairs_kernel`, from the ids the routing launch wrote);
 2. align: each program sums the table (all rows for the totals, rows before c for its prefix),
    derives the expert starts, and writes its pairs at
    start[e] + prefix[c, e] + (rank of the pair among its chunk's earlier pairs of expert e):
@@ -19,12 +19,13 @@ The layout is built in chunks of consecutive pairs, one program per chunk:
    (a 64 x 64 comparison within the tile plus a per-expert running count), so a chunk takes a
    few wide steps rather than one step per pair. Each program also writes its share of the
    block tables.
-When all pairs fit one chunk (decode), the routing kernel does both steps itself: one launch;
-for a single token it writes the layout straight from the token's k picks (rank by expert id).
+The routing launch itself runs on programs of a few rows each (routing is independent per
+token). When all pairs fit one chunk (decode), it does both steps too: one launch; for a single
+token it writes the layout straight from the token's k picks (rank by expert id).
 Ids outside [0, E) are dropped from the layout (their pairs contribute nothing).
 
 Compile-time constants are only the tile sizes (E_PAD: 256 for the count table and the align
-kernels; for a routing launch that builds the whole layout, E's next power of two, at least 16:
+kernels; for the routing launch, E's next power of two, at least 16:
 `configs.route_expert_pad`), the layout mode and whether align counts its own pairs. top_k, the
 scoring, the renormalisation and BLOCK_M are runtime arguments (never value-specialised), so the
 few builds `builds.shipped_builds` lists are every variant the launchers can run.
@@ -159,25 +160,24 @@ def _place_one_token(ids, top_k, sorted_pairs_ptr, block_expert_ptr, block_rows_
 
 @triton.jit(do_not_specialize=["top_k", "sigmoid", "renormalize", "block_m"])
 def route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
-    T, E, stride_lt, top_k, sigmoid, renormalize, chunk_tokens, block_m, max_blocks,
+    logits_ptr, weights_ptr, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
+    T, E, stride_lt, top_k, sigmoid, renormalize, program_tokens, block_m, max_blocks,
     E_PAD: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, LAYOUT: tl.constexpr,
     PAIRS: tl.constexpr, TILE_B: tl.constexpr,
 ):
-    """Routes the tokens [c * chunk_tokens, (c + 1) * chunk_tokens) of program c.
+    """Routes the tokens [c * program_tokens, (c + 1) * program_tokens) of program c.
 
     logits: (T, E) any float dtype, row stride stride_lt; weights: (T, top_k) fp32 and ids:
     (T, top_k) int32, contiguous. sigmoid, renormalize: 0 or 1. LAYOUT selects what else the
-    program does: "none": routing only; "count": also writes the chunk's expert histogram to
-    row c of counts (chunks, E_PAD) int32; "full" (one program covers every token): also builds
+    program does: "none": routing only; "full" (one program covers every token): also builds
     the whole layout (sorted_pairs, block_expert, block_rows) itself; "one_token" (T = 1,
     ROWS = 1): the same layout from the token's picks alone, no sort.
     """
     c = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     kcols = tl.arange(0, K_PAD)
-    first_row = c * chunk_tokens
-    last_row = tl.minimum(first_row + chunk_tokens, T)
+    first_row = c * program_tokens
+    last_row = tl.minimum(first_row + program_tokens, T)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for r0 in range(first_row, last_row, ROWS):
         rows = r0 + tl.arange(0, ROWS)
@@ -190,11 +190,9 @@ def route_kernel(
         if LAYOUT == "one_token":
             _place_one_token(tl.reshape(ids, (K_PAD,)), top_k, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
                              block_m, max_blocks, kcols, 2 * K_PAD)
-        elif LAYOUT != "none":
+        elif LAYOUT == "full":
             counts += tl.histogram(tl.reshape(ids, (ROWS * K_PAD,)), E_PAD,
                                    mask=tl.reshape(out_ok, (ROWS * K_PAD,)))
-    if LAYOUT == "count":
-        tl.store(counts_ptr + c * E_PAD + cols, counts)
     if LAYOUT == "full":
         # The ids just stored are read back by other threads of this program.
         tl.debug_barrier()

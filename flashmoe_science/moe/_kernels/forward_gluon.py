@@ -69,10 +69,21 @@ def _down_consumer(a_smem, b_smem, ready, empty, y_ptr, weights_ptr, sorted_pair
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     out_dtype: gl.constexpr = y_ptr.dtype.element_ty
     cols = gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, store_layout))
+    rows = gl.arange(0, HALF_M, layout=gl.SliceLayout(1, store_layout))
+    acc_rows = gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout))
     it = 0
     for tile in range(gl.program_id(0), num_blocks_m * num_tiles_n, gl.num_programs(0)):
         expert, pid_m, pid_n = _tile(tile, block_expert_ptr, num_blocks_m, num_tiles_n, GROUP_M)
         if expert >= 0:
+            # The store's rows, pairs and routing weights (dependent loads) are read before the
+            # products, so their latency passes while the tensor cores run rather than after.
+            first_row = pid_m * TILE_M + C * HALF_M
+            block_rows = gl.load(block_rows_ptr + pid_m)
+            acc_ok = acc_rows + C * HALF_M < block_rows  # the weights in the accumulator's row layout
+            route_weight = gl.load(weights_ptr + gl.load(sorted_pairs_ptr + first_row + acc_rows, mask=acc_ok,
+                                                         other=0), mask=acc_ok, other=0.0)
+            row_ok = rows + C * HALF_M < block_rows  # the pairs in the store's
+            pairs = gl.load(sorted_pairs_ptr + first_row + rows, mask=row_ok, other=0)
             acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=acc_layout)
             for kb in range(num_k):
                 stage = it % NUM_STAGES
@@ -90,16 +101,8 @@ def _down_consumer(a_smem, b_smem, ready, empty, y_ptr, weights_ptr, sorted_pair
             q0, q1 = _column_halves(left)
             q2, q3 = _column_halves(right)
             chunks = (q0, q1, q2, q3)
-            first_row = pid_m * TILE_M + C * HALF_M
-            block_rows = gl.load(block_rows_ptr + pid_m)
-            # The routing weights in the accumulator's row layout, the pairs in the store's.
-            acc_rows = gl.arange(0, HALF_M, layout=gl.SliceLayout(1, q0.type.layout))
-            acc_ok = acc_rows + C * HALF_M < block_rows
-            acc_pairs = gl.load(sorted_pairs_ptr + first_row + acc_rows, mask=acc_ok, other=0)
-            route_weight = gl.load(weights_ptr + acc_pairs, mask=acc_ok, other=0.0)[:, None]
-            rows = gl.arange(0, HALF_M, layout=gl.SliceLayout(1, store_layout))
-            row_ok = rows + C * HALF_M < block_rows
-            pairs = gl.load(sorted_pairs_ptr + first_row + rows, mask=row_ok, other=0)
+            # The same rows a thread holds: no data moves.
+            route_weight = gl.convert_layout(route_weight, gl.SliceLayout(1, q0.type.layout))[:, None]
             row_ptrs = y_ptr + wide_offset(pairs, H)[:, None]
             for j in gl.static_range(BLOCK_N // EPILOGUE_N):
                 col = pid_n * BLOCK_N + j * EPILOGUE_N

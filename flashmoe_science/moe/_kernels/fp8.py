@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ... import float8
-from ...float8 import round_to_e4m3
+from ...float8 import to_e4m3
 from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile
 from .offsets import wide_offset
 
@@ -29,10 +29,13 @@ MIN_SCALE = tl.constexpr(1e-12)
 
 
 @triton.jit
-def _quantize_rows(values, FP8_DTYPE: tl.constexpr):
-    """(values / s in FP8, s) with s = max |value| of each row / FP8_MAX."""
+def _quantize_rows(values):
+    """(values / s in FP8, rounded to nearest even, s) with s = max |value| of each row / FP8_MAX.
+    On the GPU the hardware's conversion rounds (the same values as `float8.round_to_e4m3`, bar
+    the sign of zeros, at 0.37x its time: 26 against 71 us for 16k x 2048 tokens on an H200,
+    benchmarks/results/moe_routing/route_exp.txt)."""
     scale = tl.maximum(tl.max(tl.abs(values), axis=1) / FP8_MAX, MIN_SCALE)
-    return round_to_e4m3(values / scale[:, None]).to(FP8_DTYPE), scale
+    return to_e4m3(values / scale[:, None]), scale
 
 
 @triton.jit
@@ -42,7 +45,7 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, BLOCK_T: tl.con
     cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     ok = (rows < T)[:, None]
     x = tl.load(x_ptr + wide_offset(rows, stride_xt)[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    q, scale = _quantize_rows(x, q_ptr.dtype.element_ty)
+    q, scale = _quantize_rows(x)
     tl.store(q_ptr + wide_offset(rows, H)[:, None] + cols[None, :], q, mask=ok)
     tl.store(s_ptr + wide_offset(rows, H // GROUP) + tl.program_id(1), scale, mask=rows < T)
 
@@ -108,7 +111,7 @@ def gate_up_fp8_kernel(
         w_ptrs += GROUP
     acc = _channel_scaled(acc, w1s_ptr, expert, stride_se, stride_sn, w_rows, BLOCK_SCALES, GROUP)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, GROUP, 2)))
-    h, h_scale = _quantize_rows(_gated_activation(gate, up, ACTIVATION), hq_ptr.dtype.element_ty)
+    h, h_scale = _quantize_rows(_gated_activation(gate, up, ACTIVATION))
     offs_n = pid_n * GROUP + tl.arange(0, GROUP)
     tl.store(hq_ptr + wide_offset(rows, I)[:, None] + offs_n[None, :], h)
     tl.store(hs_ptr + wide_offset(rows, I // GROUP) + pid_n, h_scale)

@@ -248,19 +248,23 @@ def _down_tile(a_smem, b_smem, s_smem, ready, empty, it, w2s_ptr, y_ptr, weights
                BLOCK_SCALES: gl.constexpr, NUM_STAGES: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 2 * HALF, INSTR_K])
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     # Block scales (E, H / 128, I / 128): the tile's 128 columns are one block.
     ws = w2s_ptr + wide_offset(expert, stride_se) + (pid_n * stride_sn if BLOCK_SCALES else 0)
-    acc = _scaled_sum(a_smem, b_smem, s_smem, ready, empty, it, num_k, C, ws, ws, acc_layout, NUM_STAGES,
-                      BLOCK_SCALES, True)
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    acc = gl.convert_layout(acc, store_layout)
     cols = pid_n * GROUP + gl.arange(0, GROUP, layout=gl.SliceLayout(0, store_layout))
-    if not BLOCK_SCALES:  # per output channel, (E, H)
-        acc = acc * gl.load(ws + cols * stride_sn)[None, :]
+    # The store's rows, pairs and routing weights (dependent loads) are read before the products,
+    # so their latency passes while the tensor cores run rather than after.
     in_block = C * CONSUMER_ROWS + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, store_layout))
     row_ok = in_block < gl.load(block_rows_ptr + pid_m)
     pairs = gl.load(sorted_pairs_ptr + pid_m * TILE_M + in_block, mask=row_ok, other=0)
     route_weight = gl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
+    if not BLOCK_SCALES:  # per output channel, (E, H)
+        channel_scale = gl.load(ws + cols * stride_sn)
+    acc = _scaled_sum(a_smem, b_smem, s_smem, ready, empty, it, num_k, C, ws, ws, acc_layout, NUM_STAGES,
+                      BLOCK_SCALES, True)
+    acc = gl.convert_layout(acc, store_layout)
+    if not BLOCK_SCALES:
+        acc = acc * channel_scale[None, :]
     gl.store(y_ptr + wide_offset(pairs, H)[:, None] + cols[None, :],
              (acc * route_weight[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
     return it + num_k
