@@ -41,7 +41,8 @@ fi
 # fresh machine skips those minutes; the call's cache comes back as $OUT/jit_cache.tar.gz, to
 # unpack into that folder for the next call.
 # SonicMoE's first call on a shape autotunes each QuACK GEMM over its sm90 configurations (22-44),
-# compiling every one: past 560 s on a 16-core machine before its tiny check layer had finished.
+# compiling every one: past 560 s on a 16-core machine before its tiny check layer had finished
+# (`bench moe --sonic-autotune subset` narrows them to four, `bench/sonic.py`).
 # The compiles run in QUACK_COMPILE_WORKERS processes (QuACK's default 8): one per core here, so a
 # machine with more cores (the multi-GPU kinds) warms it faster.
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
@@ -121,9 +122,11 @@ for stage in "${stages[@]}"; do
       done ;;
     moe) bench moe ;;
     moe-fwd+bwd) bench moe --mode fwd+bwd ;;
-    moe-peers)  # ours against grouped_mm and SonicMoE (carried: WHEELS, ARCHIVES) at the training sizes, forward+backward then forward
-      bench moe --mode fwd+bwd --impls ours gmm sonic --no-plot ${MOE_PEERS_ARGS:-}
-      bench moe --impls ours gmm sonic --tokens 1 8 64 512 4096 16384 --no-plot ${MOE_PEERS_ARGS:-} ;;
+    moe-peers)  # ours against grouped_mm and SonicMoE (carried: WHEELS, ARCHIVES) at the training sizes, forward+backward
+      # then forward; SONIC_AUTOTUNE: all of QuACK's candidates, or (default here) the subset that compiles in minutes
+      bench moe --mode fwd+bwd --impls ours gmm sonic --sonic-autotune "${SONIC_AUTOTUNE:-subset}" --no-plot ${MOE_PEERS_ARGS:-}
+      bench moe --impls ours gmm sonic --sonic-autotune "${SONIC_AUTOTUNE:-subset}" --tokens 1 8 64 512 4096 16384 \
+        --no-plot ${MOE_PEERS_ARGS:-} ;;
     moe-train) bench moe --mode train ;;
     moe-fp8)  # FP8 experts against our bf16 path, grouped_mm and torch._scaled_grouped_mm (results moe_fp8)
       bench moe --impls ours fp8 scaled_gmm gmm --shapes qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b \

@@ -246,3 +246,53 @@ def test_headline_moe_rows_name_sonic_where_the_run_had_it(tmp_path):
     write([("ours", 50.0), ("gmm", 60.0)])
     assert ("| mixtral-8x7b T=16384 | 50.000 ms | 60.000 ms (grouped-mm) | 1.20x | `moe_fwd_bwd.json` |"
             in report.render_headline(tmp_path))
+
+
+def test_sonic_autotuning_subset_keeps_the_listed_sm90_candidates_only(monkeypatch):
+    """`--sonic-autotune subset` leaves each QuACK autotuner the sm90 candidates of
+    `sonic.AUTOTUNE_SUBSET` (and every other GPU's); "all" leaves them as they are; anything else
+    is refused by name. QuACK does not install on the CPU: a stand-in module of two autotuners."""
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    from flashmoe_science.bench import sonic
+
+    @dataclass(frozen=True)
+    class Config:
+        tile_m: int
+        tile_n: int
+        pingpong: bool
+        cluster_m: int
+        cluster_n: int
+        device_capacity: int = 9
+
+    class Candidate:
+        def __init__(self, config):
+            self.kwargs = {"config": config}
+
+    class Tuner:
+        def __init__(self, configs):
+            self.configs = [Candidate(c) for c in configs]
+
+        def prune_configs(self, kwargs):
+            return self.configs
+
+    every = [Config(m, n, p, cm, cn) for m, n in ((128, 128), (128, 192), (256, 128), (128, 256), (128, 208))
+             for p in (True, False) for cm, cn in ((2, 1), (1, 2))] + [Config(256, 256, False, 2, 1, 10)]
+    module = types.ModuleType("quack.gemm_interface")
+    module.gemm_tuned, module.gemm_gated_tuned, module.default_config = Tuner(every), Tuner(every[:8]), object()
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", module)
+    monkeypatch.setattr(sys.modules["quack"], "gemm_interface", module, raising=False)
+
+    assert "all" in sonic.narrow_autotuning("all") and len(module.gemm_tuned.configs) == len(every)
+    assert "narrowed" in sonic.narrow_autotuning("subset")
+    kept = [c.kwargs["config"] for c in module.gemm_tuned.configs]
+    assert {(c.tile_m, c.tile_n, c.pingpong, c.cluster_m, c.cluster_n) for c in kept if c.device_capacity == 9} \
+        == set(sonic.AUTOTUNE_SUBSET)
+    assert any(c.device_capacity == 10 for c in kept)  # other GPUs' candidates are left alone
+    assert len(module.gemm_gated_tuned.configs) == sum(
+        (c.tile_m, c.tile_n, c.pingpong, c.cluster_m, c.cluster_n) in sonic.AUTOTUNE_SUBSET for c in every[:8])
+    with pytest.raises(ValueError, match="SonicMoE autotuning must be one of"):
+        sonic.narrow_autotuning("fast")

@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="implementations to time (sonic: SonicMoE where it imports; fp8, the forward only: our "
                              "FP8 path on the same weights quantised per 128 x 128 block; scaled_gmm: "
                              "torch._scaled_grouped_mm on them quantised per output channel)")
+    parser.add_argument("--sonic-autotune", choices=sonic.AUTOTUNE_CHOICES, default="all",
+                        help="SonicMoE's GEMM autotuning: all of QuACK's sm90 candidates, or a subset of four "
+                             "(`bench/sonic.py`: the full set compiles for more than ten minutes)")
     parser.add_argument("--sweep", action="store_true",
                         help="time candidate GEMM configurations and print the best per load bucket (with "
                              "--mode fwd+bwd: the backward GEMMs', per forward BLOCK_M)")
@@ -194,8 +197,10 @@ def run(args) -> dict:
     meta["gmm"] = gmm_reason or "torch._grouped_mm" + (" with its autograd backward" if with_backward else "")
     scaled_reason = _scaled_gmm_unavailable(device) if "scaled_gmm" in args.impls and not with_backward else None
     meta["scaled_gmm"] = scaled_reason or "torch._scaled_grouped_mm, rowwise scales"
-    sonic_reason = sonic.unavailable(device, dtype) if "sonic" in args.impls else "not requested"
+    sonic_reason = sonic.unavailable(device, dtype, args.sonic_autotune) if "sonic" in args.impls else "not requested"
     meta["sonic"] = sonic_reason or sonic.versions()
+    if "sonic" in args.impls and sonic_reason is None:
+        meta["sonic_autotune"] = sonic.narrow_autotuning(args.sonic_autotune)
     skipped = {"gmm": gmm_reason, "scaled_gmm": scaled_reason, "sonic": sonic_reason}
     impls = [i for i in args.impls if skipped.get(i) is None and (i not in ("fp8", "scaled_gmm") or not with_backward)]
     generator = torch.Generator(device=device).manual_seed(0)

@@ -18,14 +18,44 @@ import importlib
 import torch
 
 
-def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None when SonicMoE runs here on a tiny layer (forward and backward), else why not."""
+# SonicMoE's GEMMs are QuACK's, each autotuned on its first call at a shape over every sm90
+# candidate (tile, ping-pong or cooperative, cluster: 11-22 for its varlen GEMMs), each compiled
+# first: more than ten minutes on a 16-core machine before the first layer has run. "subset"
+# narrows the sm90 candidates to these (tile_m, tile_n, pingpong, cluster_m, cluster_n): QuACK's
+# default configuration (128 x 192 ping-pong, cluster 2 x 1) and the largest tiles of each kind.
+AUTOTUNE_SUBSET = ((128, 192, True, 2, 1), (128, 128, True, 2, 1), (256, 128, False, 2, 1), (128, 256, False, 1, 2))
+AUTOTUNE_CHOICES = ("all", "subset")
+
+
+def narrow_autotuning(choice: str) -> str:
+    """Restricts QuACK's sm90 GEMM autotuning to AUTOTUNE_SUBSET ("subset"; "all": as shipped);
+    returns what the results' meta records."""
+    if choice not in AUTOTUNE_CHOICES:
+        raise ValueError(f"SonicMoE autotuning must be one of {AUTOTUNE_CHOICES}, got {choice!r}")
+    if choice == "all":
+        return "QuACK's sm90 candidates, all"
+    from quack import gemm_interface
+
+    def kept(candidate):
+        c = candidate.kwargs["config"]
+        return c.device_capacity != 9 or (c.tile_m, c.tile_n, c.pingpong, c.cluster_m, c.cluster_n) in AUTOTUNE_SUBSET
+
+    for tuner in vars(gemm_interface).values():
+        if hasattr(tuner, "configs") and hasattr(tuner, "prune_configs"):
+            tuner.configs = [c for c in tuner.configs if kept(c)] or tuner.configs
+    return f"QuACK's sm90 candidates narrowed to (tile_m, tile_n, pingpong, cluster_m, cluster_n) in {AUTOTUNE_SUBSET}"
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, autotune: str = "all") -> str | None:
+    """None when SonicMoE runs here on a tiny layer (forward and backward), else why not;
+    `autotune`: `narrow_autotuning`'s choice, applied first."""
     if device.type != "cuda":
         return "SonicMoE needs a CUDA GPU"
     if torch.cuda.get_device_capability(device)[0] < 9:
         return "SonicMoE needs sm90 or newer"
     try:
         importlib.import_module("sonicmoe")
+        narrow_autotuning(autotune)
     except Exception as exc:  # recorded in the results instead of failing the run
         return f"sonic-moe does not import: {type(exc).__name__}: {exc}"[:300]
     try:
