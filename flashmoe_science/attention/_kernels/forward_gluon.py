@@ -246,7 +246,10 @@ def _p_operand(p32, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.con
     already its operand values. FP8: an operand register holds four consecutive keys where the
     accumulator holds pairs 8 keys apart, so the keys are taken in the order the registers hold
     them (within each 16: key 8h + 2c + e is operand column 4c + 2h + e) and V's keys are stored
-    in that order too (`fp8.fp8_value_tiles`): the conversion stays inside each thread."""
+    in that order too (`fp8.fp8_value_tiles`): the conversion stays inside each thread. FP8's P is
+    converted right where the product reads it, from fp32 probabilities carried across iterations:
+    Triton 3.6 holds a loop-carried 8-bit tensor a byte a register, and unpacked and repacked it
+    every iteration (about 170 instructions; benchmarks/results/attention_fp8_p_conversion/)."""
     p = p32.to(dtype)
     if FP8:
         p = p.reshape([BLOCK_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([BLOCK_M, BLOCK_N])
@@ -320,6 +323,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
     acc = gl.zeros([BLOCK_M, BLOCK_DV], gl.float32, layout=o_layout)
     p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
+    p32 = s_init
     mbarrier.wait(q_ready.index(C), tile_iter & 1)
 
     # The first block: S and its softmax, with nothing to overlap.
@@ -331,7 +335,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
         mbarrier.arrive(k_empty.index(use % NUM_STAGES), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + first * BLOCK_N, full_lo, full_hi,
                                               seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS, P_SHIFT)
-        p = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
+        if not FP8:
+            p = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
 
     for j in range(first + 1, last):
         stage = (it + j) % NUM_STAGES
@@ -339,22 +344,29 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
         mbarrier.wait(k_ready.index(stage), ((it + j) // NUM_STAGES) & 1)
         s_tok = _scores(q, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]), s_init, HEAD_DIM, BLOCK_D)
         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_STAGES) & 1)
-        o_tok = warpgroup_mma(p, _value_operand(v_smem, prev, BLOCK_N, BLOCK_DV, FP8), acc, is_async=True)
+        if FP8:  # converted where the product reads it (`_p_operand`)
+            p_pv = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
+        else:
+            p_pv = p
+        o_tok = warpgroup_mma(p_pv, _value_operand(v_smem, prev, BLOCK_N, BLOCK_DV, FP8), acc, is_async=True)
         # S_j is done when at most the P V product is in flight: its softmax overlaps that product.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + j * BLOCK_N, full_lo, full_hi,
                                               seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS, P_SHIFT)
-        acc, p = _wait_pv(o_tok, p, FP8)
+        acc, p_pv = _wait_pv(o_tok, p_pv, FP8)
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        p = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
+        if not FP8:
+            p = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     if SEPARATE_O:  # Q is read by the S products only, all complete: the next tile's may load
         mbarrier.arrive(q_empty.index(C), count=1)
 
     if last > first:
         use = it + last - 1
         mbarrier.wait(v_ready.index(use % NUM_STAGES), (use // NUM_STAGES) & 1)
+        if FP8:
+            p = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
         o_tok = warpgroup_mma(p, _value_operand(v_smem, use % NUM_STAGES, BLOCK_N, BLOCK_DV, FP8), acc,
                               is_async=True)
         acc, p = _wait_pv(o_tok, p, FP8)
