@@ -20,8 +20,9 @@ The layout is built in chunks of consecutive pairs, one program per chunk:
    few wide steps rather than one step per pair. Each program also writes its share of the
    block tables.
 The routing launch itself runs on programs of a few rows each (routing is independent per
-token). When all pairs fit one chunk (decode), it does both steps too: one launch; for a single
-token it writes the layout straight from the token's k picks (rank by expert id).
+token). For small calls (`configs.route_layout`: decode), one program routes every token and does
+both steps too: one launch; for a single token it writes the layout straight from the token's k
+picks (rank by expert id).
 Ids outside [0, E) are dropped from the layout (their pairs contribute nothing).
 
 Compile-time constants are only the tile sizes (E_PAD: 256 for the count table and the align
