@@ -84,8 +84,11 @@ def _compile_row(capability: int, index: int) -> dict:
         ptx = kernel.asm.get("ptx", "")
         bound = re.search(r"^\s*\.maxnreg (\d+)", ptx, re.M)  # the launch's, or Triton's own
         registers, spills = _registers_and_spills(log.getvalue())
+        # byte_unpacks: 16-bit halves widened to 32 bits, how the PTX pulls 8-bit values out of packed
+        # registers one at a time (an FP8 tensor held a byte a register across a loop).
         row.update(shared=kernel.metadata.shared, fits=kernel.metadata.shared <= limit,
                    wgmma="wgmma" in ptx, tma="cp.async.bulk.tensor" in ptx, griddepcontrol="griddepcontrol" in ptx,
+                   byte_unpacks=ptx.count("cvt.u32.u16"),
                    maxnreg=int(bound.group(1)) if bound else None, registers=registers, spill_stores=spills,
                    error=None)
     return row

@@ -59,6 +59,15 @@ def test_hopper_attention_forward_uses_wgmma(compiled_rows):
 
 
 @pytest.mark.targets
+def test_hopper_fp8_attention_forward_keeps_p_in_packed_registers(compiled_rows):
+    """The Gluon forward's FP8 builds convert P where the P V product reads it: an 8-bit P carried to
+    the next iteration was held a byte a register, unpacked and repacked every iteration (256
+    widenings in the PTX of each build, 0 in the 16-bit ones; benchmarks/results/attention_fp8_p_conversion/)."""
+    fp8 = [r for r in compiled_rows if r["target"] == "sm90" and r["label"].startswith("attention_forward_gluon fp8")]
+    assert fp8 and all(r.get("byte_unpacks") == 0 for r in fp8), [(r["label"], r.get("byte_unpacks")) for r in fp8]
+
+
+@pytest.mark.targets
 def test_decode_combine_launches_as_a_dependent_of_the_split_kernel_on_hopper_only(compiled_rows):
     """sm90's KV-cache split builds that hand over to the combine kernel signal it
     (griddepcontrol.launch_dependents) and its combine builds wait for them (griddepcontrol.wait);
