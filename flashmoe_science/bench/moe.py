@@ -200,7 +200,7 @@ def run(args) -> dict:
     sonic_reason = sonic.unavailable(device, dtype, args.sonic_autotune) if "sonic" in args.impls else "not requested"
     meta["sonic"] = sonic_reason or sonic.versions()
     if "sonic" in args.impls and sonic_reason is None:
-        meta["sonic_autotune"] = sonic.narrow_autotuning(args.sonic_autotune)
+        meta["sonic_autotune"] = sonic.autotuning_description(args.sonic_autotune)  # applied by `unavailable`
     skipped = {"gmm": gmm_reason, "scaled_gmm": scaled_reason, "sonic": sonic_reason}
     impls = [i for i in args.impls if skipped.get(i) is None and (i not in ("fp8", "scaled_gmm") or not with_backward)]
     generator = torch.Generator(device=device).manual_seed(0)

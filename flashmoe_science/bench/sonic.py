@@ -27,13 +27,20 @@ AUTOTUNE_SUBSET = ((128, 192, True, 2, 1), (128, 128, True, 2, 1), (256, 128, Fa
 AUTOTUNE_CHOICES = ("all", "subset")
 
 
+def autotuning_description(choice: str) -> str:
+    """What the results' meta records for `narrow_autotuning`'s choice."""
+    if choice == "all":
+        return "QuACK's sm90 candidates, all"
+    return f"QuACK's sm90 candidates narrowed to (tile_m, tile_n, pingpong, cluster_m, cluster_n) in {AUTOTUNE_SUBSET}"
+
+
 def narrow_autotuning(choice: str) -> str:
     """Restricts QuACK's sm90 GEMM autotuning to AUTOTUNE_SUBSET ("subset"; "all": as shipped);
-    returns what the results' meta records."""
+    returns `autotuning_description(choice)`."""
     if choice not in AUTOTUNE_CHOICES:
         raise ValueError(f"SonicMoE autotuning must be one of {AUTOTUNE_CHOICES}, got {choice!r}")
     if choice == "all":
-        return "QuACK's sm90 candidates, all"
+        return autotuning_description(choice)
     from quack import gemm_interface
 
     def kept(candidate):
@@ -43,7 +50,7 @@ def narrow_autotuning(choice: str) -> str:
     for tuner in vars(gemm_interface).values():
         if hasattr(tuner, "configs") and hasattr(tuner, "prune_configs"):
             tuner.configs = [c for c in tuner.configs if kept(c)] or tuner.configs
-    return f"QuACK's sm90 candidates narrowed to (tile_m, tile_n, pingpong, cluster_m, cluster_n) in {AUTOTUNE_SUBSET}"
+    return autotuning_description(choice)
 
 
 def unavailable(device: torch.device, dtype: torch.dtype, autotune: str = "all") -> str | None:
