@@ -232,9 +232,10 @@ def test_only_the_needed_gradients_run(device, needs):
 
 
 def test_backward_frees_the_down_halfs_tensors_before_the_weight_gradient_of_w1(device, monkeypatch):
-    """h and the activation's derivatives, which only the down half's backward reads, are gone
-    (autograd released them with that node) when the gate/up half's backward allocates d w1: the
-    backward's peak holds no more saved activations than an autograd of the plain formula."""
+    """h, which only the down half's backward reads, is gone (autograd released it with that
+    node) when the gate/up half's backward allocates d w1, and the activation's derivatives live
+    on only as d [gate, up], which that backward wrote over them: the backward's peak holds no
+    more than an autograd of the plain formula."""
     x, w1, w2 = make_layer(37, 4, 32, 16, torch.float32, device)
     x, w1, w2 = leaves(x, w1, w2)
     logits = torch.randn(37, 4, device=device)
@@ -246,10 +247,11 @@ def test_backward_frees_the_down_halfs_tensors_before_the_weight_gradient_of_w1(
         saved.extend(weakref.ref(t) for t in out[:2])
         return out
 
-    def checking_references(*args):
+    def checking_references(grad_gate_up, *args):
         gc.collect()
         alive_at_gate_up_backward.extend(ref() is not None for ref in saved)
-        return gate_up_backward(*args)
+        assert grad_gate_up is saved[1]()
+        return gate_up_backward(grad_gate_up, *args)
 
     monkeypatch.setattr(experts, "gate_up_for_backward", keeping_references)
     monkeypatch.setattr(moe_backward, "gate_up_backward", checking_references)
@@ -257,7 +259,42 @@ def test_backward_frees_the_down_halfs_tensors_before_the_weight_gradient_of_w1(
     gc.collect()
     assert len(saved) == 2 and all(ref() is not None for ref in saved)  # kept for the backward
     torch.autograd.grad(out.square().sum(), (x, w1, w2))
-    assert alive_at_gate_up_backward == [False, False]
+    assert alive_at_gate_up_backward == [False, True]
+
+
+def test_down_backward_overwriting_the_saved_activations_gives_the_same_gradients(device, poisoned):  # noqa: F811
+    """down_backward with overwrite_saved: d [gate, up] in h_grads' memory and w_p * h_p in h's,
+    each element the same as in buffers of their own (every program reads an element before it
+    writes it, and no other reads it)."""
+    T, E, k, H, I = 37, 4, 2, 64, 32
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    weights, ids = moe_route(torch.randn(T, E, device=device), k)
+    grad_out = torch.randn(T, H, device=device)
+    saved = experts.gate_up_for_backward(x, w1, w2, weights, ids, "silu")
+    separate = moe_backward.down_backward(grad_out, x, w1, w2, weights, ids, *saved, True, True)
+    h, h_grads = saved[0].clone(), saved[1].clone()
+    overwritten = moe_backward.down_backward(grad_out, x, w1, w2, weights, ids, h, h_grads, *saved[2:], True, True,
+                                             overwrite_saved=True)
+    assert overwritten[0] is h_grads
+    for a, b in zip(separate, overwritten):
+        assert torch.equal(a, b)
+    assert not torch.equal(h, saved[0])  # w_p * h_p, d w2's operand, written over h
+    with pytest.raises(ValueError, match="interleaved"):
+        moe_backward.down_backward(grad_out, x, w1, w2, weights, ids, *saved, True, True, True, overwrite_saved=True)
+
+
+def test_second_backward_through_a_retained_graph_recomputes_the_overwritten_activations(device):
+    """The first backward wrote its gradients over the saved h and derivatives; a second one
+    (retain_graph=True) recomputes them and gives the same gradients, bit for bit."""
+    T, E, k, H, I = 37, 4, 2, 64, 32
+    x, w1, w2 = make_layer(T, E, H, I, torch.float32, device)
+    inputs = leaves(x, w1, w2, torch.randn(T, E, device=device))
+    grad_out = torch.randn(T, H, device=device)
+    out = fused_moe(*inputs, k)
+    first = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+    assert out.grad_fn.saved_overwritten
+    for a, b in zip(first, torch.autograd.grad(out, inputs, grad_out)):
+        assert torch.equal(a, b)
 
 
 def test_gradient_of_any_layout(device):

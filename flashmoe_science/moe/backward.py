@@ -21,7 +21,9 @@ The forward is two custom ops, so the backward is two autograd nodes (ops.py): `
 (launches 1 and d w2) then `gate_up_backward` (d x and d w1). Autograd frees h and the
 derivatives, which only the first reads, when it returns, so the peak of the second (d w1,
 the largest gradient, with d [gate, up]) holds no saved activation, as an autograd of the plain
-formula frees its saved tensors op by op.
+formula frees its saved tensors op by op. The first's eager backward writes d [gate, up] over
+the derivatives and w_p * h_p over h (`overwrite_saved`; ops.py says when), so its own peak
+holds no buffer of (rows, I) or (rows, 2I) beyond the saved ones.
 
 The launches (kernels in `_kernels/backward.py`), none read back by the host:
 1. grad_gate_up: [d gate, d up] (pairs, 2I) in layout order, per-column-tile parts of
@@ -344,7 +346,8 @@ def _plan(name, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *te
 
 
 def down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert,
-                  block_rows, need_gate_up_grad: bool, need_w2_grad: bool, interleaved: bool = False):
+                  block_rows, need_gate_up_grad: bool, need_w2_grad: bool, interleaved: bool = False,
+                  overwrite_saved: bool = False):
     """The backward of the down GEMM and the activation: the first half of `fused_experts`' backward.
 
     Args:
@@ -355,6 +358,9 @@ def down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_
             returned.
         need_gate_up_grad, need_w2_grad: which gradients to return.
         interleaved: w1's gate and up rows alternate (`fused_experts`' gate_up_interleaved).
+        overwrite_saved: write d [gate, up] over h_grads and w_p * h_p over h (each program
+            writes the elements it has read, so no other reads them after): the caller's last
+            use of them. Not with interleaved (its d [gate, up] columns are not h_grads').
 
     Returns:
         (d [gate, up] (rows, 2I) in layout order, its columns in w1's row order, zero on padding
@@ -376,9 +382,11 @@ def down_backward(grad_out, hidden_states, w1, w2, topk_weights, topk_ids, h, h_
     I, E, k = plan.inter, plan.num_experts, plan.top_k
     device, dtype = grad_out.device, h.dtype
     rows = plan.num_blocks * plan.block_m
-    grad_gate_up = routing.allocate((rows, 2 * I), dtype, device)
+    if overwrite_saved and interleaved:
+        raise ValueError("overwrite_saved needs gate and up rows not interleaved")
+    grad_gate_up = h_grads if overwrite_saved else routing.allocate((rows, 2 * I), dtype, device)
     if need_w2_grad:
-        weighted_h = routing.allocate((rows, I), dtype, device)
+        weighted_h = h if overwrite_saved else routing.allocate((rows, I), dtype, device)
         row_tokens = routing.allocate((rows,), torch.int32, device)
     else:  # not written: the kernel's flag is off
         weighted_h, row_tokens = grad_gate_up, sorted_pairs

@@ -610,10 +610,12 @@ def _experts_with_backward(hidden_states, w1, w2, topk_weights, topk_ids, activa
                            interleaved=False):
     """`fused_experts` through its two saving custom ops (ops.py): gate/up, then down. Two
     autograd nodes, so the backward frees what the down half kept (h and the activation's
-    derivatives) before the gate/up half's weight gradient is allocated."""
+    derivatives) before the gate/up half's weight gradient is allocated; the down half's eager
+    backward writes its gradients over them (nothing else reads them)."""
     from . import ops
     saved = ops.experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias, interleaved)
-    return ops.experts_down(hidden_states, w1, w2, topk_weights, topk_ids, *saved, interleaved)
+    return ops.experts_down(hidden_states, w1, w2, topk_weights, topk_ids, *saved, interleaved,
+                            activation=activation, w1_bias=w1_bias)
 
 
 def fused_moe(hidden_states, w1, w2, router_logits, top_k, *, renormalize=True, activation="silu",

@@ -202,15 +202,38 @@ def _down_backward(ctx, grad_out):
         return tuple(grads)
     need = ctx.needs_input_grad
     need_w2, need_weights, need_gate_up = need[2], need[3], need[6]
-    down_backward = backward.down_backward if getattr(ctx, "eager", False) else experts_down_backward_op
-    grad_gate_up, grad_w2, grad_weights = down_backward(grad_out, *ctx.saved_tensors, need_gate_up, need_w2,
-                                                        ctx.interleaved)
+    if getattr(ctx, "eager", False):
+        saved, overwrite = _saved_to_overwrite(ctx)
+        grad_gate_up, grad_w2, grad_weights = backward.down_backward(grad_out, *saved, need_gate_up, need_w2,
+                                                                     ctx.interleaved, overwrite)
+    else:
+        grad_gate_up, grad_w2, grad_weights = experts_down_backward_op(grad_out, *ctx.saved_tensors, need_gate_up,
+                                                                       need_w2, ctx.interleaved)
     grads[2], grads[3] = (grad_w2 if need_w2 else None), (grad_weights if need_weights else None)
     grads[6] = grad_gate_up if need_gate_up else None
     return tuple(grads)
 
 
 experts_down_op.register_autograd(_down_backward, setup_context=_down_setup_context)
+
+
+def _saved_to_overwrite(ctx):
+    """(the eager down node's saved tensors, whether its backward writes its gradients over the
+    saved h and h_grads). It does where `experts_down` gave the node the gate/up half's options
+    (`gate_up_options`) and gate and up are not interleaved: this backward is their last reader,
+    and d [gate, up] and w_p * h_p then take no memory of their own ((rows, 3I) elements, the
+    largest buffers of the backward). A second backward through a retained graph finds them
+    overwritten and recomputes them with the gate/up GEMM."""
+    saved = ctx.saved_tensors
+    options = getattr(ctx, "gate_up_options", None)
+    if options is None or ctx.interleaved:
+        return saved, False
+    if getattr(ctx, "saved_overwritten", False):
+        activation, w1_bias = options
+        h, h_grads = experts.gate_up_for_backward(*saved[:5], activation, w1_bias)[:2]
+        saved = (*saved[:5], h, h_grads, *saved[7:])
+    ctx.saved_overwritten = True
+    return saved, True
 
 
 def _eager_function(name, forward, setup_context, backward_fn):
@@ -247,9 +270,14 @@ def _recorded(op, eager, *args):
     """A differentiable call where autograd records: its eager Function on plain tensors outside
     torch.compile, else the custom op (compiled graphs, and tensor subclasses such as the fake
     and functional tensors of tracing, which only the op's registrations handle)."""
-    if type(args[0]) is torch.Tensor and not torch.compiler.is_compiling():
+    if _eager(args[0]):
         return eager.apply(*args)
     return op(*args)
+
+
+def _eager(first_input) -> bool:
+    """Whether `_recorded` runs the eager Function for a call whose first input is this."""
+    return type(first_input) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 def route(router_logits, top_k, renormalize, scoring):
@@ -265,7 +293,15 @@ def experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w
 
 
 def experts_down(hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows,
-                 gate_up_interleaved=False):
-    """`experts_down_op` where autograd records (`_recorded`)."""
-    return _recorded(experts_down_op, _EagerDown, hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads,
-                     sorted_pairs, block_expert, block_rows, gate_up_interleaved)
+                 gate_up_interleaved=False, *, activation=None, w1_bias=None):
+    """`experts_down_op` where autograd records (`_recorded`). With the gate/up half's activation
+    (and w1_bias), an eager node's backward may write its gradients over h and h_grads
+    (`_saved_to_overwrite`): pass them only where nothing else reads h and h_grads."""
+    args = (hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows,
+            gate_up_interleaved)
+    if not _eager(hidden_states):
+        return experts_down_op(*args)
+    out = _EagerDown.apply(*args)
+    if activation is not None and out.grad_fn is not None:
+        out.grad_fn.gate_up_options = (activation, w1_bias)
+    return out
