@@ -206,14 +206,16 @@ def _gluon_fp8_builds():
     from ._kernels.value_tiles import fp8_value_tiles_kernel
     from .fp8 import VALUE_TILE_KEYS
 
-    for block_d, cfg in GLUON_FP8_FORWARD.items():
+    for block_d, (plain, masked) in GLUON_FP8_FORWARD.items():
         sig = {n: "i32" for n in fp8_value_tiles_kernel.arg_names}
         constexprs = dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_S=VALUE_TILE_KEYS)
         sig.update(V="*u8", OUT="*u8", **{n: "constexpr" for n in constexprs})
         yield KernelBuild(label=f"attention_fp8_value_tiles D={block_d}", fn=fp8_value_tiles_kernel, signature=sig,
                           constexprs=constexprs, num_warps=4, num_stages=1, aligned=("OUT", "padded"))
-        rows, consumers = gluon_forward_tiles(cfg)
-        for causal, persistent in ((False, True), (True, True), (True, False)):
+        variants = [(cfg, False, True) for _, cfg in plain]
+        variants += [(cfg, True, persistent) for _, cfg in masked for persistent in (True, False)]
+        for cfg, causal, persistent in variants:
+            rows, consumers = gluon_forward_tiles(cfg)
             sig = {n: "i32" for n in attention_forward_gluon_kernel.arg_names}
             sig.update(desc_q=descriptor("fp8e4nv", gl.float8e4nv, rows, block_d),
                        desc_k=descriptor("fp8e4nv", gl.float8e4nv, cfg.block_n, block_d),

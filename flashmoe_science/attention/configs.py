@@ -131,28 +131,36 @@ GLUON_FORWARD = {
 }
 GLUON_PERSISTENT_MAX_CAUSAL_KEYS = 4096
 # The Gluon forward's FP8 builds (`_kernels/forward_gluon.py` with FP8: e4m3 Q, K and V^T tiles,
-# 16-bit O through buffers of its own), by padded head dim (q's, k's and v's alike), for every
-# key count, masked or not. H100 sweep at S = 4096 and 16384 (benchmarks/results/
-# attention_fp8_sweep.json): two consumers of 64 rows against 128-key blocks at D = 64 and 128
-# (four stages at D = 128: 675 against 625 TFLOP/s for two, non-causal S = 16384), 64-key blocks
-# at D = 256 (938 against 350 for 128); three consumers ran slower at every head dim.
-GLUON_FP8_FORWARD = {64: AttentionConfig(128, 128, 4, 2), 128: AttentionConfig(128, 128, 4, 4),
-                     256: AttentionConfig(128, 64, 4, 2)}
+# 16-bit O through buffers of its own), by padded head dim (q's, k's and v's alike), as
+# GLUON_FORWARD: (unmasked, masked) lists of (from this many keys, config). H100 sweep at S = 4096
+# and 16384 (benchmarks/results/attention_fp8_sweep.json): two consumers of 64 rows against
+# 128-key blocks at D = 128 (four stages: 675 against 625 TFLOP/s for two, non-causal S = 16384),
+# 64-key blocks at D = 256 (938 against 350 for 128), three consumers slower at D = 128. At D = 64,
+# with P carried in fp16 (`forward_gluon.FP8_P16_CARRY_MAX_D`), three consumers lead unmasked at
+# every length and causal at 16384 keys (H200, benchmarks/results/attention_fp8_p_carry/
+# attention_fp8_sweep.json: 611 against 536 TFLOP/s non-causal and 558 against 502 causal at
+# S = 16384, 498 against 460 non-causal at 2048; causal 364 against 277 at 2048).
+GLUON_FP8_FORWARD = {
+    64: ([(0, AttentionConfig(192, 128, 4, 2))],
+         [(0, AttentionConfig(128, 128, 4, 2)), (8192, AttentionConfig(192, 128, 4, 2))]),
+    128: ([(0, AttentionConfig(128, 128, 4, 4))], [(0, AttentionConfig(128, 128, 4, 4))]),
+    256: ([(0, AttentionConfig(128, 64, 4, 2))], [(0, AttentionConfig(128, 64, 4, 2))]),
+}
 
 
-def gluon_forward_config(block_d: int, masked: bool, seqlen_k: int) -> AttentionConfig | None:
-    """The Gluon forward's configuration for a call (`GLUON_FORWARD`), or None where the Triton
-    kernel runs."""
+def gluon_forward_config(block_d: int, masked: bool, seqlen_k: int, table=None) -> AttentionConfig | None:
+    """The Gluon forward's configuration for a call (`GLUON_FORWARD`, or `table` such as
+    GLUON_FP8_FORWARD), or None where the Triton kernel runs."""
     chosen = None
-    for min_keys, cfg in GLUON_FORWARD.get(block_d, ([], []))[masked]:
+    for min_keys, cfg in (GLUON_FORWARD if table is None else table).get(block_d, ([], []))[masked]:
         if seqlen_k >= min_keys:
             chosen = cfg
     return chosen
 
 
-def gluon_forward_configs():
-    """Every (padded head dim, config) of `GLUON_FORWARD`."""
-    return dict.fromkeys((block_d, cfg) for block_d, lists in GLUON_FORWARD.items()
+def gluon_forward_configs(table=None):
+    """Every (padded head dim, config) of `GLUON_FORWARD` (or `table`)."""
+    return dict.fromkeys((block_d, cfg) for block_d, lists in (GLUON_FORWARD if table is None else table).items()
                          for entries in lists for _, cfg in entries)
 
 
@@ -212,7 +220,7 @@ def hopper_forward_config(device: DeviceInfo, element_size: int, head_dim: int, 
         return None
     block_d = head_dim_block(max(head_dim, head_dim_v or 0))
     if element_size == 1:  # FP8: the Gluon kernel at one head dim for q, k and v; else the generic one
-        fp8 = GLUON_FP8_FORWARD.get(block_d)
+        fp8 = gluon_forward_config(block_d, masked, seqlen_k, GLUON_FP8_FORWARD)
         same_dims = head_dim_v in (None, head_dim)
         return (True, fp8) if fp8 is not None and not softcap and same_dims and head_dim % 16 == 0 else None
     gluon = None if softcap else gluon_forward_config(block_d, masked, seqlen_k)

@@ -34,6 +34,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .forward import BOTH_EDGES, FP8_P_SHIFT, NO_EDGE, RIGHT_EDGE, band_blocks, band_diagonals, fp8_scores_scale
 
+# FP8: up to this head dim, P is carried between iterations in fp16 rather than fp32 (32 registers
+# a thread fewer: no spills with three consumers). One H200, S = 16384 non-causal
+# (benchmarks/results/attention_fp8_p_carry/): D = 64 470 -> 551 TFLOP/s with two consumers, 615
+# with three; D = 128 827 -> 808 and D = 256 1006 -> 965, where fp32 stays.
+FP8_P16_CARRY_MAX_D = gl.constexpr(64)
+
 
 @gluon.jit
 def _softmax(s, m_i, l_i, offs_m, start_n, offs_n, seqlen_k, diag_lo, diag_hi, scale_log2, EDGES: gl.constexpr,
@@ -247,7 +253,8 @@ def _p_operand(p32, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.con
     accumulator holds pairs 8 keys apart, so the keys are taken in the order the registers hold
     them (within each 16: key 8h + 2c + e is operand column 4c + 2h + e) and V's keys are stored
     in that order too (`fp8.fp8_value_tiles`): the conversion stays inside each thread. FP8's P is
-    converted right where the product reads it, from fp32 probabilities carried across iterations:
+    converted right where the product reads it, from probabilities carried across iterations in
+    fp32 (fp16 up to FP8_P16_CARRY_MAX_D):
     Triton 3.6 holds a loop-carried 8-bit tensor a byte a register, and unpacked and repacked it
     every iteration (about 170 instructions; benchmarks/results/attention_fp8_p_conversion/)."""
     p = p32.to(dtype)
@@ -294,6 +301,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype  # the products' inputs, P's among them
     P_SHIFT: gl.constexpr = FP8_P_SHIFT if FP8 else 0
+    P16_CARRY: gl.constexpr = FP8 and BLOCK_DV <= FP8_P16_CARRY_MAX_D
 
     ROW_BOUNDS: gl.constexpr = (NUM_CONSUMERS == 2) & (BLOCK_DV <= 128)  # where registers allow (`_softmax_block`)
     b, h, h_kv, pid_m = _tile_coordinates(tile, num_heads_q, group_size, num_m_blocks, batch_heads, section, CAUSAL)
@@ -323,7 +331,7 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
     acc = gl.zeros([BLOCK_M, BLOCK_DV], gl.float32, layout=o_layout)
     p = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
-    p32 = s_init
+    p32 = s_init.to(gl.float16) if P16_CARRY else s_init
     mbarrier.wait(q_ready.index(C), tile_iter & 1)
 
     # The first block: S and its softmax, with nothing to overlap.
@@ -337,6 +345,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
                                               seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS, P_SHIFT)
         if not FP8:
             p = _p_operand(p32, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
+        elif P16_CARRY:
+            p32 = p32.to(gl.float16)
 
     for j in range(first + 1, last):
         stage = (it + j) % NUM_STAGES
@@ -354,6 +364,8 @@ def _consume_tile(tile, it, tile_iter, desc_o, LSE, DESCALE, q_smem, o_smem, k_s
         mbarrier.arrive(k_empty.index(stage), count=1)
         p32, l_i, m_i, alpha = _softmax_block(s, m_i, l_i, offs_m, offs_n, lo + j * BLOCK_N, full_lo, full_hi,
                                               seqlen_k, diag_lo, diag_hi, scale_log2, ROW_BOUNDS, P_SHIFT)
+        if P16_CARRY:
+            p32 = p32.to(gl.float16)
         acc, p_pv = _wait_pv(o_tok, p_pv, FP8)
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
