@@ -350,7 +350,7 @@ def test_backward_launches_are_shipped_builds(device, T):
     clear_records()
     torch.autograd.grad(fused_moe(*inputs, k).square().sum(), inputs)
     capability = info_for(x).capability
-    for op in ("moe_gate_up",) + BACKWARD_OPS:
+    for op in ("moe_gate_up", "moe_route_backward") + BACKWARD_OPS:
         _launched_build(op, capability)
 
 

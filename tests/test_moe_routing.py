@@ -188,3 +188,39 @@ def test_align_given_ids(device, poisoned, T, E, k):
 def test_route_rejects_bad_input(device, bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
         bad(device)
+
+
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True),
+                                                 ("sigmoid", False)])
+@pytest.mark.parametrize("dtype,T,E,k", [(torch.float32, 37, 6, 2), (torch.float32, 70, 60, 8),
+                                         (torch.float16, 5, 130, 3)])
+def test_route_backward_matches_autograd_of_the_formula(device, poisoned, scoring, renormalize, dtype, T, E, k):
+    """d logits from the routing's one-launch backward against float64 autograd through the
+    routing formula (the same picks), on logits with a row stride of their own and over several
+    programs; within 2x of PyTorch's own error in fp32 plus its output dtype's rounding."""
+    logits = torch.randn(T, E + 3, device=device)[:, :E].to(dtype)
+    weights, ids = moe_route(logits, k, renormalize=renormalize, scoring=scoring)
+    grad_weights = torch.randn(T, k, device=device)
+    grad = routing.route_backward(grad_weights, logits, weights, ids, renormalize, scoring)
+    assert grad.dtype == dtype and grad.shape == (T, E) and not torch.isnan(grad).any()
+
+    def reference(x):
+        scores = torch.sigmoid(x) if scoring == "sigmoid" else torch.softmax(x, dim=-1)
+        chosen = scores.gather(1, ids.long())
+        return chosen / chosen.sum(dim=-1, keepdim=True) if renormalize else chosen
+
+    x64 = logits.double().requires_grad_()
+    (ref,) = torch.autograd.grad(reference(x64), x64, grad_weights.double())
+    x32 = logits.float().requires_grad_()
+    (theirs,) = torch.autograd.grad(reference(x32), x32, grad_weights)
+    scale = ref.abs().max().item()
+    ours_err = (grad.double() - ref).abs().max().item() / scale
+    torch_err = (theirs.double() - ref).abs().max().item() / scale
+    assert ours_err <= 2 * torch_err + (1e-3 if dtype == torch.float16 else 1e-6), (ours_err, torch_err)
+
+
+def test_route_backward_of_no_tokens(device):
+    logits = torch.randn(0, 8, device=device)
+    weights, ids = moe_route(logits, 2)
+    grad = routing.route_backward(torch.randn(0, 2, device=device), logits, weights, ids, True, "softmax")
+    assert grad.shape == (0, 8)

@@ -338,7 +338,7 @@ def gradient_like(w: torch.Tensor) -> torch.Tensor:
 
 def _plan(name, hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *tensors):
     """(launch key, BackwardPlan) of a backward call, cached under the call's facts."""
-    key = (name, *map(experts.tensor_key, (hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *tensors)))
+    key = (name, *map(routing.tensor_key, (hidden_states, w1, w2, topk_ids, sorted_pairs, block_expert, *tensors)))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.remember(key, BackwardPlan(hidden_states, w1, w2, topk_ids, block_expert, sorted_pairs))

@@ -12,8 +12,8 @@ from ..kernel_build import KernelBuild
 from .configs import (_TRITON_DTYPES, ACTIVATIONS, COMBINE_BLOCK_H, COMBINE_BLOCK_T, COMBINE_STAGES, COMBINE_WARPS,
                       COUNT_TILE, DISPATCH_ROWS, DISPATCH_STAGES, DISPATCH_WARPS, FP8_GATHER_ROWS, FP8_GROUP,
                       FP8_QUANTIZE_ROWS, GATHER_ROWS_TILE, GATHER_ROWS_WARPS, MAX_EXPERTS, MAX_TOP_K, ROUTE_EXPERT_PADS,
-                      SORT_PAIRS, backward_configs, experts_configs, fp8_configs, route_rows,
-                      route_warps)
+                      SORT_PAIRS, backward_configs, experts_configs, fp8_configs, route_backward_rows,
+                      route_rows, route_warps)
 
 
 def shipped_builds(capability: int):
@@ -41,7 +41,7 @@ def _builds(capability: int):
     from ._kernels.backward import (gather_rows_kernel, grad_gate_up_kernel, grad_w1_kernel, grad_w2_kernel,
                                     grad_x_kernel)
     from ._kernels.combine import combine_kernel, gather_sum_kernel
-    from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_kernel
+    from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_backward_kernel, route_kernel
     from ._kernels.grouped_gemm import down_kernel, gate_up_kernel
 
     def build(label, fn, pointers, constexprs, num_warps, num_stages, aligned=(), descriptors=None):
@@ -205,6 +205,11 @@ def _builds(capability: int):
                             dict(logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32", **layout),
                             dict(K_PAD=MAX_TOP_K, ROWS=route_rows(mode, pad), LAYOUT=mode, **{**tiles, "E_PAD": pad}),
                             route_warps(mode), DISPATCH_STAGES)
+        for pad in ROUTE_EXPERT_PADS:
+            yield build(f"moe_route_backward logits={dtype} E_PAD={pad}", route_backward_kernel,
+                        dict(grad_weights_ptr="*fp32", logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32",
+                             grad_logits_ptr=f"*{dtype}"),
+                        dict(E_PAD=pad, ROWS=route_backward_rows(pad)), DISPATCH_WARPS, DISPATCH_STAGES)
     yield build("moe_count", count_pairs_kernel, dict(ids_ptr="*i32", counts_ptr="*i32"),
                 dict(E_PAD=MAX_EXPERTS, COUNT_TILE=COUNT_TILE), DISPATCH_WARPS, DISPATCH_STAGES)
     for count_here in (False, True):

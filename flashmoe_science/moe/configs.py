@@ -333,6 +333,16 @@ def route_rows(layout: str, expert_pad: int) -> int:
     return min(ROUTE_TILE // expert_pad, ROUTE_PROGRAM_ROWS) if layout == "none" else DISPATCH_ROWS
 
 
+# The routing's backward (`route_backward_kernel`) holds a few more (rows, E_PAD) fp32 tiles than
+# the routing: half ROUTE_TILE's scores a program keep it within 4 warps' registers (sm80-sm90).
+ROUTE_BACKWARD_TILE = ROUTE_TILE // 2
+
+
+def route_backward_rows(expert_pad: int) -> int:
+    """Token rows a program of the routing's backward takes, experts padded to expert_pad."""
+    return min(ROUTE_BACKWARD_TILE // expert_pad, ROUTE_PROGRAM_ROWS)
+
+
 def route_program_tokens(layout: str, num_tokens: int) -> int:
     """Tokens a program of the routing launch building `layout` for num_tokens tokens routes."""
     return ROUTE_PROGRAM_ROWS if layout == "none" else num_tokens

@@ -34,6 +34,7 @@ from ..launch import KernelLauncher, PlanCache
 from ..tma import addressable as tma_addressable
 from ..tma import gluon_descriptor, unchecked_descriptor
 from . import configs, fp8, routing
+from .routing import tensor_key
 from ._kernels import forward_gluon
 from ._kernels.combine import combine_kernel, gather_sum_kernel
 from ._kernels.forward_gluon import down_gluon_kernel
@@ -279,11 +280,6 @@ def _run_experts(plan: _ExpertsPlan, x, w1, w2, topk_weights, topk_ids, layout, 
     """The lean forward's expert launches: gate/up, down and combine; out (T, H) in x's dtype."""
     h = _run_gate_up(plan, x, w1, layout, activation, None, w1_bias, interleaved)
     return _run_down(plan, h, w2, topk_weights, topk_ids, layout, w2_bias)
-
-
-def tensor_key(t: torch.Tensor) -> tuple:
-    """What a tensor contributes to a plan or launch key: everything Triton specialises on."""
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
 
 
 def _moe_key(hidden_states, w1, w2, router_logits, top_k, renormalize, activation, scoring) -> tuple:

@@ -1,7 +1,7 @@
 """The MoE kernels as torch.library custom ops, so autograd and torch.compile see them.
 
 - `flashmoe_science::moe_route` (router_logits -> topk_weights, topk_ids): its backward is
-  `routing.route_backward` (torch ops on the (T, E) logits).
+  `flashmoe_science::moe_route_backward` (`routing.route_backward`, one launch).
 - `flashmoe_science::moe_experts_gate_up` (hidden_states, w1, ... -> h, the activation's
   derivatives and the layout) and `flashmoe_science::moe_experts_down` (those -> out): the
   forward of a call that needs gradients, in two halves, so autograd sees two nodes; their
@@ -50,12 +50,23 @@ def _route_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@torch.library.custom_op("flashmoe_science::moe_route_backward", mutates_args=())
+def route_backward_op(grad_weights: Tensor, router_logits: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                      renormalize: bool, scoring: str) -> Tensor:
+    """d router_logits of `routing.route_backward`."""
+    return routing.route_backward(grad_weights, router_logits, topk_weights, topk_ids, renormalize, scoring)
+
+
+@route_backward_op.register_fake
+def _route_backward_fake(grad_weights, router_logits, topk_weights, topk_ids, renormalize, scoring):
+    return router_logits.new_empty(router_logits.shape)
+
+
 def _route_backward(ctx, grad_weights, grad_ids):
     if grad_weights is None:
         return None, None, None, None
-    router_logits, topk_weights, topk_ids = ctx.saved_tensors
-    return (routing.route_backward(grad_weights, router_logits, topk_weights, topk_ids, ctx.renormalize, ctx.scoring),
-            None, None, None)
+    route_backward = routing.route_backward if getattr(ctx, "eager", False) else route_backward_op
+    return route_backward(grad_weights, *ctx.saved_tensors, ctx.renormalize, ctx.scoring), None, None, None
 
 
 route_op.register_autograd(_route_backward, setup_context=_route_setup_context)

@@ -5,8 +5,9 @@ token-expert pairs that the expert GEMMs read.
 steps `fused_moe` and `fused_experts` run: one to three Triton launches (see
 `_kernels/dispatch.py`) sized from shapes alone, with no host synchronisation and no
 data-dependent output shapes, so a whole MoE layer can be captured in a CUDA graph.
-`route_backward` is the gradient of the routing weights with respect to the logits, in plain
-torch ops (elementwise work on the (T, E) logits, cheap next to the expert GEMMs).
+`route_backward` is the gradient of the routing weights with respect to the logits, one launch
+(as torch ops it was about fifteen launches, each costing host time that small training calls
+are bound by).
 
 Every buffer the MoE launchers allocate comes from `allocate`, so a test can fill them with
 poison to prove that every element a kernel reads was written first.
@@ -20,12 +21,18 @@ import torch
 from ..device import check_runnable
 from ..launch import KernelLauncher, PlanCache
 from . import configs
-from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_kernel
+from ._kernels.dispatch import align_pairs_kernel, count_pairs_kernel, route_backward_kernel, route_kernel
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORINGS = ("softmax", "sigmoid")
 
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a tensor contributes to a plan or launch key: everything Triton specialises on."""
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+
+
 _ROUTE = KernelLauncher("moe_route", route_kernel)
+_ROUTE_BACKWARD = KernelLauncher("moe_route_backward", route_backward_kernel)
 _COUNT = KernelLauncher("moe_count", count_pairs_kernel)
 _ALIGN = KernelLauncher("moe_align", align_pairs_kernel)
 
@@ -264,25 +271,25 @@ def route(router_logits, top_k, renormalize, scoring):
 
 
 def route_backward(grad_weights, router_logits, topk_weights, topk_ids, renormalize: bool, scoring: str):
-    """d router_logits (T, E), in router_logits' dtype, from d topk_weights (T, k).
-
-    With scores p (softmax or sigmoid of the fp32 logits), chosen scores s = p[ids] and weights
-    w = s / sum(s) (renormalize) or w = s:
-        d s = (d w - <d w, w>) / sum(s)   (renormalize), else d s = d w;
-        d p = d s scattered to the chosen experts (zero elsewhere; a token's k ids are distinct);
-        softmax: d logits = p * (d p - <d p, p>);  sigmoid: d logits = d p * p * (1 - p).
-    top-k is piecewise constant: the choice itself carries no gradient.
-    """
-    logits = router_logits.float()
-    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-    ids = topk_ids.long()
-    grad = grad_weights.float()
-    if renormalize:
-        total = scores.gather(1, ids).sum(dim=1, keepdim=True)
-        grad = (grad - (grad * topk_weights).sum(dim=1, keepdim=True)) / total
-    grad_scores = torch.zeros_like(scores).scatter(1, ids, grad)
-    if scoring == "sigmoid":
-        grad_logits = grad_scores * scores * (1.0 - scores)
-    else:
-        grad_logits = scores * (grad_scores - (grad_scores * scores).sum(dim=1, keepdim=True))
-    return grad_logits.to(router_logits.dtype)
+    """d router_logits (T, E), in router_logits' dtype, from d topk_weights (T, k), for the routing
+    `route` made of these logits (its topk_weights and topk_ids): one launch,
+    `route_backward_kernel` (whose docstring has the formulas); top-k is piecewise constant, so
+    the choice itself carries no gradient."""
+    T, E = router_logits.shape
+    grad_logits = allocate((T, E), router_logits.dtype, router_logits.device)
+    if T == 0:
+        return grad_logits
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    grad_weights = grad_weights.to(torch.float32).contiguous()
+    key = ("route_backward", *(tensor_key(t) for t in (grad_weights, router_logits, topk_weights, topk_ids)),
+           renormalize, scoring)
+    expert_pad = configs.route_expert_pad(E)
+    rows = configs.route_backward_rows(expert_pad)
+    _ROUTE_BACKWARD.launch(
+        key, (-(-T // rows), 1, 1),
+        (grad_weights, router_logits, topk_weights, topk_ids, grad_logits, T, E, router_logits.stride(0),
+         grad_logits.stride(0), topk_ids.shape[1], int(scoring == "sigmoid"), int(renormalize), expert_pad, rows),
+        num_warps=configs.DISPATCH_WARPS, num_stages=configs.DISPATCH_STAGES,
+        device_index=router_logits.device.index if router_logits.is_cuda else None)
+    return grad_logits

@@ -23,7 +23,9 @@ The routing launch itself runs on programs of a few rows each (routing is indepe
 token). For small calls (`configs.route_layout`: decode), one program routes every token and does
 both steps too: one launch; for a single token it writes the layout straight from the token's k
 picks (rank by expert id).
-Ids outside [0, E) are dropped from the layout (their pairs contribute nothing).
+Ids outside [0, E) are dropped from the layout (their pairs contribute nothing). The routing's
+backward (`route_backward_kernel`) forms the scores again as the routing launch does and writes
+d logits, on programs of the same rows.
 
 Compile-time constants are only the tile sizes (E_PAD: 256 for the count table and the align
 kernels; for the routing launch, E's next power of two, at least 16:
@@ -209,6 +211,60 @@ def count_pairs_kernel(ids_ptr, counts_ptr, N, E, chunk_pairs, E_PAD: tl.constex
     first = c * chunk_pairs
     counts = _chunk_counts(ids_ptr, first, tl.minimum(first + chunk_pairs, N), E, E_PAD, COUNT_TILE)
     tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit(do_not_specialize=["top_k", "sigmoid", "renormalize"])
+def route_backward_kernel(
+    grad_weights_ptr, logits_ptr, weights_ptr, ids_ptr, grad_logits_ptr,
+    T, E, stride_lt, stride_gt, top_k, sigmoid, renormalize,
+    E_PAD: tl.constexpr, ROWS: tl.constexpr,
+):
+    """d logits (T, E), row stride stride_gt, in the logits' dtype, for ROWS tokens a program,
+    from d weights, the weights and the ids (T, top_k: fp32, fp32 and int32, contiguous) that
+    `route_kernel` wrote for logits (row stride stride_lt). The scores p are formed as there
+    (fp32 softmax or sigmoid); with chosen scores s_j = p[id_j] and weights w = s / sum(s)
+    (renormalize) or s: d s_j = (d w_j - <d w, w>) / sum(s) or d w_j; d p is d s at the chosen
+    experts (a token's ids are distinct), zero elsewhere; softmax: d logits = p (d p - <d p, p>),
+    sigmoid: d logits = d p p (1 - p)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < T
+    col_ok = cols < E
+    x = tl.load(logits_ptr + wide_offset(rows, stride_lt)[:, None] + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    out_dtype = x.dtype
+    x = x.to(tl.float32)
+    if sigmoid:
+        p = tl.sigmoid(x)
+    else:
+        x = tl.where(col_ok[None, :], x, float("-inf"))
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        p = e / tl.sum(e, axis=1)[:, None]
+    p = tl.where(col_ok[None, :], p, 0.0)
+    slots = wide_offset(rows, top_k)
+    dot = tl.zeros((ROWS,), dtype=tl.float32)
+    total = tl.zeros((ROWS,), dtype=tl.float32)
+    if renormalize:
+        for j in range(top_k):
+            w = tl.load(weights_ptr + slots + j, mask=row_ok, other=0.0)
+            dw = tl.load(grad_weights_ptr + slots + j, mask=row_ok, other=0.0)
+            chosen = tl.load(ids_ptr + slots + j, mask=row_ok, other=-1)
+            dot += dw * w
+            total += tl.sum(tl.where(cols[None, :] == chosen[:, None], p, 0.0), axis=1)
+        total = tl.where(row_ok, total, 1.0)
+    grad_p = tl.zeros((ROWS, E_PAD), dtype=tl.float32)
+    for j in range(top_k):
+        dw = tl.load(grad_weights_ptr + slots + j, mask=row_ok, other=0.0)
+        chosen = tl.load(ids_ptr + slots + j, mask=row_ok, other=-1)
+        if renormalize:
+            dw = (dw - dot) / total
+        grad_p = tl.where(cols[None, :] == chosen[:, None], dw[:, None], grad_p)
+    if sigmoid:
+        grad_x = grad_p * p * (1.0 - p)
+    else:
+        grad_x = p * (grad_p - tl.sum(grad_p * p, axis=1)[:, None])
+    tl.store(grad_logits_ptr + wide_offset(rows, stride_gt)[:, None] + cols[None, :], grad_x.to(out_dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["block_m"])
