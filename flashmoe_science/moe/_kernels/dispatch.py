@@ -40,6 +40,19 @@ from .offsets import wide_offset
 
 
 @triton.jit
+def _scores(x, col_ok, sigmoid):
+    """The routing scores of fp32 logits x (ROWS, E_PAD) whose columns col_ok are experts: their
+    sigmoid, or their softmax over those columns (the others' values are not defined)."""
+    if sigmoid:
+        scores = tl.sigmoid(x)
+    else:
+        x = tl.where(col_ok[None, :], x, float("-inf"))
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        scores = e / tl.sum(e, axis=1)[:, None]
+    return scores
+
+
+@triton.jit
 def _route_rows(logits_ptr, stride_lt, rows, T, E, top_k, sigmoid, renormalize, cols, kcols):
     """Top-k routing of a (ROWS, E_PAD) block of logits; returns weights (ROWS, K_PAD) fp32 and
     ids (ROWS, K_PAD) int32, zero beyond top_k. Scores are formed in fp32; ties go to the lower
@@ -48,12 +61,7 @@ def _route_rows(logits_ptr, stride_lt, rows, T, E, top_k, sigmoid, renormalize, 
     col_ok = cols < E
     x = tl.load(logits_ptr + wide_offset(rows, stride_lt)[:, None] + cols[None, :],
                 mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    if sigmoid:
-        scores = tl.sigmoid(x)
-    else:
-        x = tl.where(col_ok[None, :], x, float("-inf"))
-        e = tl.exp(x - tl.max(x, axis=1)[:, None])
-        scores = e / tl.sum(e, axis=1)[:, None]
+    scores = _scores(x, col_ok, sigmoid)
     # Scores lie in [0, 1]: -1 marks padding columns and experts already taken. A NaN score (from
     # NaN or infinite logits) ranks as 2, above every score, as torch.topk ranks NaN first, and its
     # weight is NaN: the pick stays an expert of [0, E) and the NaN reaches the output (a NaN
@@ -233,14 +241,7 @@ def route_backward_kernel(
     x = tl.load(logits_ptr + wide_offset(rows, stride_lt)[:, None] + cols[None, :],
                 mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     out_dtype = x.dtype
-    x = x.to(tl.float32)
-    if sigmoid:
-        p = tl.sigmoid(x)
-    else:
-        x = tl.where(col_ok[None, :], x, float("-inf"))
-        e = tl.exp(x - tl.max(x, axis=1)[:, None])
-        p = e / tl.sum(e, axis=1)[:, None]
-    p = tl.where(col_ok[None, :], p, 0.0)
+    p = tl.where(col_ok[None, :], _scores(x.to(tl.float32), col_ok, sigmoid), 0.0)
     slots = wide_offset(rows, top_k)
     dot = tl.zeros((ROWS,), dtype=tl.float32)
     total = tl.zeros((ROWS,), dtype=tl.float32)
