@@ -4,7 +4,8 @@ Private: the public modules one level up hold the contract (argument checks, all
 configuration, launch); these files hold the algorithm.
 
 - `offsets.py`: 64-bit address arithmetic shared by every kernel.
-- `dispatch.py`: top-k routing and the block-aligned, expert-sorted layout of token-expert pairs.
+- `dispatch.py`: top-k routing, its backward (d router logits), and the block-aligned,
+  expert-sorted layout of token-expert pairs.
 - `grouped_gemm.py`: the two expert GEMMs over that layout (gate/up with the gated activation,
   then down with the routing weight).
 - `fp8.py`: the same two GEMMs with FP8 (e4m3) operands and fp32 scales, the per-row,
