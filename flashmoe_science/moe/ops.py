@@ -305,9 +305,10 @@ def experts_gate_up(hidden_states, w1, w2, topk_weights, topk_ids, activation, w
 
 def experts_down(hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows,
                  gate_up_interleaved=False, *, activation=None, w1_bias=None):
-    """`experts_down_op` where autograd records (`_recorded`). With the gate/up half's activation
-    (and w1_bias), an eager node's backward may write its gradients over h and h_grads
-    (`_saved_to_overwrite`): pass them only where nothing else reads h and h_grads."""
+    """`experts_down_op` where autograd records: its eager Function where `_recorded` would take
+    it, whose node is then given the gate/up half's activation (and w1_bias), so its backward may
+    write its gradients over h and h_grads (`_saved_to_overwrite`): pass them only where nothing
+    else reads h and h_grads."""
     args = (hidden_states, w1, w2, topk_weights, topk_ids, h, h_grads, sorted_pairs, block_expert, block_rows,
             gate_up_interleaved)
     if not _eager(hidden_states):
