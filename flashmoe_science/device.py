@@ -56,11 +56,6 @@ class DeviceInfo:
         return self.capability // 10 == 9
 
 
-# Programmatic dependent launch (a kernel launching while the one before it finishes, PTX
-# griddepcontrol): sm90 and newer.
-PDL_MIN_CAPABILITY = 90
-
-
 # What the interpreter pretends to be: configurations are picked as for an A100, the most
 # conservative generation with large shared memory; sizes do not matter on the CPU.
 INTERPRETER_DEVICE = DeviceInfo("Triton CPU interpreter", 80, 4, SHARED_MEMORY_PER_BLOCK[80], 0)

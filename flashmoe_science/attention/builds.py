@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from itertools import product
 
-from ..device import PDL_MIN_CAPABILITY
+from ..dependent_launch import pdl_compiles
 from ..float8 import FP8_MIN_CAPABILITY
 from ..kernel_build import KernelBuild
 from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, GLUON_FP8_FORWARD, HOPPER_FORWARD, PREPROCESS_WARPS,
@@ -81,13 +81,13 @@ def _decode_builds(capability: int):
     16-bit configurations again on FP8 caches, per-head descales with the plain options and
     per-token ones with every option; the combine and append kernels per dtype and head dim. Where
     the combine launches as a programmatic dependent (sm90), the split kernel and it with PDL on."""
-    from ._kernels.decode import (HEAD_SCALES, NO_SCALES, PDL_AVAILABLE, TOKEN_SCALES,
+    from ._kernels.decode import (HEAD_SCALES, NO_SCALES, TOKEN_SCALES,
                                   attention_decode_combine_kernel, attention_decode_split_kernel,
                                   kv_cache_append_kernel)
 
     ptr = {2: "*fp16", 4: "*fp32"}
     fp8 = capability >= FP8_MIN_CAPABILITY
-    pdl = PDL_AVAILABLE and capability >= PDL_MIN_CAPABILITY
+    pdl = pdl_compiles(capability)
     plain = [(False, False, NO_SCALES.value), (True, True, NO_SCALES.value)]
     fp8_caches = [(False, False, HEAD_SCALES.value), (True, True, TOKEN_SCALES.value)]
     builds = [(element_size, block_d, cfg, plain) for element_size, block_d, cfg in decode_configs(None, capability)]

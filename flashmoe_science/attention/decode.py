@@ -26,10 +26,11 @@ import numbers
 
 import torch
 
-from ..device import PDL_MIN_CAPABILITY, check_runnable, info_for
+from ..dependent_launch import launch_options, pdl_runs
+from ..device import check_runnable, info_for
 from ..float8 import FP8_DTYPE, check_fp8_device
 from ..launch import KernelLauncher, PlanCache
-from ._kernels.decode import (HEAD_SCALES, NO_SCALES, PDL_AVAILABLE, TOKEN_SCALES, attention_decode_combine_kernel,
+from ._kernels.decode import (HEAD_SCALES, NO_SCALES, TOKEN_SCALES, attention_decode_combine_kernel,
                               attention_decode_split_kernel, kv_cache_append_kernel)
 from .checks import DTYPES, NO_WINDOW, check_band, check_bool, check_options, check_tensor
 from .configs import (DECODE_COMBINE_SPLITS, DECODE_COMBINE_WARPS, decode_aligned_pages, decode_schedule,
@@ -210,8 +211,8 @@ class DecodePlan:
         self.device_index = q.device.index if q.device.type == "cuda" else None
         # The combine kernel as a programmatic dependent launch (griddepcontrol, sm90 on):
         # `_kernels/decode.py`'s docstring.
-        self.pdl = PDL_AVAILABLE and q.is_cuda and device.capability >= PDL_MIN_CAPABILITY
-        self.combine_options = {"launch_pdl": True} if self.pdl else {}
+        self.pdl = q.is_cuda and pdl_runs(device)
+        self.combine_options = launch_options(self.pdl)
 
 
 def _plan_key(q, k_cache, v_cache, k, block_table, cache_seqlens, causal, window_size, softcap, return_lse,

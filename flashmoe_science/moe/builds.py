@@ -81,22 +81,25 @@ def _builds(capability: int):
                 # what is 1 at run time is a compile-time constant (Triton specialises it): the unit
                 # stride along K of our layout, along N of gpt-oss's (whose gate and up rows interleave)
                 strides = dict(stride_wn=1, INTERLEAVED=True) if bias else dict(stride_wk=1, INTERLEAVED=False)
-                yield build(f"moe_gate_up {dtype} {activation}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {g}",
+                yield build(f"moe_gate_up {dtype} {activation}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {g}"
+                            + (" pdl" if cfg.pdl else ""),
                             gate_up_kernel,
                             dict(x_ptr=f"*{dtype}", w1_ptr=f"*{dtype}", b1_ptr=f"*{dtype}", h_ptr=f"*{dtype}",
                                  h_grads_ptr=f"*{dtype}", **layout),
                             dict(ACTIVATION=activation, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
-                                 BLOCK_K=g.block_k, GROUP_M=g.group_m, TMA=tma, HAS_BIAS=bias, **strides),
+                                 BLOCK_K=g.block_k, GROUP_M=g.group_m, TMA=tma, HAS_BIAS=bias, PDL=cfg.pdl,
+                                 **strides),
                             g.num_warps, g.num_stages,
                             aligned=("H", "I", "stride_xt", "stride_we", "stride_wk" if bias else "stride_wn"),
                             descriptors=tma and descriptors["moe_gate_up"])
             for bias in (False, True) if gpt_oss else (False,):
                 strides = dict(stride_wn=1) if bias else dict(stride_wk=1)
-                yield build(f"moe_down {dtype}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {d}", down_kernel,
+                yield build(f"moe_down {dtype}{' bias' if bias else ''} BLOCK_M={cfg.block_m} {d}"
+                            + (" pdl" if cfg.pdl else ""), down_kernel,
                             dict(h_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", b2_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
                                  weights_ptr="*fp32", **layout),
                             dict(BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k, GROUP_M=d.group_m, TMA=tma,
-                                 HAS_BIAS=bias, **strides),
+                                 HAS_BIAS=bias, PDL=cfg.pdl, **strides),
                             d.num_warps, d.num_stages,
                             aligned=("H", "I", "stride_we", "stride_wk" if bias else "stride_wn"),
                             descriptors=tma and descriptors["moe_down"])
@@ -183,14 +186,14 @@ def _builds(capability: int):
                         dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", w1_ptr="*fp8e4nv", hq_ptr="*fp8e4nv", **scales,
                              **layout),
                         dict(ACTIVATION=activation, BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m,
-                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP),
+                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP, PDL=cfg.pdl),
                         cfg.gate_up_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
         for dtype, block_scales in product(("fp16", "bf16"), (True, False)):
             yield build(f"moe_fp8_down {dtype} block_scales={block_scales} {cfg}", down_fp8_kernel,
                         dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w2_ptr="*fp8e4nv", w2s_ptr="*fp32", y_ptr=f"*{dtype}",
                              weights_ptr="*fp32", **layout),
                         dict(BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
-                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP),
+                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP, PDL=cfg.pdl),
                         cfg.down_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
     if capability >= 89:
         for dtype in ("fp16", "bf16"):
@@ -198,13 +201,15 @@ def _builds(capability: int):
                         dict(x_ptr=f"*{dtype}", q_ptr="*fp8e4nv", s_ptr="*fp32"),
                         dict(BLOCK_T=FP8_QUANTIZE_ROWS, GROUP=FP8_GROUP), 4, 1, aligned=("H", "stride_xt"))
     tiles = dict(E_PAD=MAX_EXPERTS, PAIRS=SORT_PAIRS, TILE_B=DISPATCH_ROWS)
+    # the routing and combine launches of a chain of programmatic dependents (a table entry's pdl)
+    chained = (False, True) if any(cfg.pdl for _, cfg in experts_configs(capability)) else (False,)
     for dtype in ("fp16", "bf16", "fp32"):
-        for mode in ("none", "full", "one_token"):
-            for pad in ROUTE_EXPERT_PADS:
-                yield build(f"moe_route logits={dtype} layout={mode} E_PAD={pad}", route_kernel,
-                            dict(logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32", **layout),
-                            dict(K_PAD=MAX_TOP_K, ROWS=route_rows(mode, pad), LAYOUT=mode, **{**tiles, "E_PAD": pad}),
-                            route_warps(mode), DISPATCH_STAGES)
+        for mode, pad, release in product(("none", "full", "one_token"), ROUTE_EXPERT_PADS, chained):
+            yield build(f"moe_route logits={dtype} layout={mode} E_PAD={pad}{' release' if release else ''}",
+                        route_kernel, dict(logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32", **layout),
+                        dict(K_PAD=MAX_TOP_K, ROWS=route_rows(mode, pad), LAYOUT=mode, RELEASE=release,
+                             **{**tiles, "E_PAD": pad}),
+                        route_warps(mode), DISPATCH_STAGES)
         for pad in ROUTE_EXPERT_PADS:
             yield build(f"moe_route_backward logits={dtype} E_PAD={pad}", route_backward_kernel,
                         dict(grad_weights_ptr="*fp32", logits_ptr=f"*{dtype}", weights_ptr="*fp32", ids_ptr="*i32",
@@ -218,10 +223,11 @@ def _builds(capability: int):
                     dict(COUNT_TILE=COUNT_TILE, TABLE_ROWS=DISPATCH_ROWS, COUNT_HERE=count_here, **tiles),
                     DISPATCH_WARPS, DISPATCH_STAGES)
     for dtype in ("fp16", "bf16", "fp32"):
-        yield build(f"moe_combine {dtype}", combine_kernel,
-                    dict(y_ptr=f"*{dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),
-                    dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,
-                    aligned=("H",))
+        for pdl in chained:
+            yield build(f"moe_combine {dtype}{' pdl' if pdl else ''}", combine_kernel,
+                        dict(y_ptr=f"*{dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),
+                        dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, PDL=pdl), COMBINE_WARPS,
+                        COMBINE_STAGES, aligned=("H",))
         yield build(f"moe_gather_sum {dtype}", gather_sum_kernel,
                     dict(rows_ptr=f"*{dtype}", index_ptr="*i64", out_ptr=f"*{dtype}"),
                     dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..dependent_launch import PDL_AVAILABLE
 from ..device import SHARED_MEMORY_PER_BLOCK, DeviceInfo, interpreter_active
 
 
@@ -60,17 +61,22 @@ class ExpertsConfig:
     gluon_down_stages > 0 (sm90, 128-row blocks, with tma): the down GEMM runs the Gluon kernel
     (`_kernels/forward_gluon.py`: persistent, warp-specialised, its tiles fixed there) with this
     many pipeline buffers and down's group_m, where the call suits it (16-bit, no bias, w2
-    contiguous, descriptors possible); other calls run the Triton kernel with down's tiling."""
+    contiguous, descriptors possible); other calls run the Triton kernel with down's tiling.
+    pdl (sm90): the gate/up, down and combine launches are programmatic dependents of the launch
+    before each (`dependent_launch`): launched before it finishes, waiting at their start; the
+    routing launch releases the gate/up launch as it starts."""
 
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
     tma: bool = False
     gluon_down_stages: int = 0
+    pdl: bool = False
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} gate_up[{self.gate_up}] down[{self.down}]" + (" tma" if self.tma else "")
-                + (f" gluon_down_stages={self.gluon_down_stages}" if self.gluon_down_stages else ""))
+                + (f" gluon_down_stages={self.gluon_down_stages}" if self.gluon_down_stages else "")
+                + (" pdl" if self.pdl else ""))
 
 
 G, X = GemmConfig, ExpertsConfig
@@ -98,7 +104,10 @@ _LARGE_SMEM = ((8, _DECODE),
 # Qwen3-30B-A3B (0.677-0.680 against 0.736-0.737 ms at 16k tokens, forward), 0.91-0.95x at
 # DeepSeek-V2-Lite, 0.91-0.94x at OLMoE-1B-7B and 0.98-1.01x at Mixtral-8x7B (both near 700 TFLOP/s
 # there), at 4096 and 16k tokens, in the forward and in forward+backward.
-_HOPPER = (_LARGE_SMEM[:2]
+# Hopper's decode entry chains its launches as programmatic dependents: in CUDA graphs on an H200
+# (benchmarks/results/moe_decode_pdl/), Qwen3-30B-A3B T = 1 31.0 against 32.8 us a layer, other
+# decode shapes 0-1% faster, the same bits.
+_HOPPER = (((8, replace(_DECODE, pdl=PDL_AVAILABLE)), _LARGE_SMEM[1])
            + ((96, X(64, G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 3), tma=True)),)
            + ((None, replace(_LARGE_SMEM[3][1], tma=True, gluon_down_stages=4)),))
 # sm80: as above, but the middle bucket's gate/up GEMM on eight warps: on four its 64 x 256 fp32
@@ -406,12 +415,14 @@ class FP8Config:
     # The Gluon kernels (`_kernels/fp8_gluon.py`, sm90): block_m 128, the warps and tiles fixed
     # there; num_stages for both GEMMs.
     gluon: bool = False
+    # As ExpertsConfig.pdl: the launches chain as programmatic dependents (sm90).
+    pdl: bool = False
 
     def __str__(self) -> str:
         if self.gluon:
             return f"gluon BLOCK_M={self.block_m} GROUP_M={self.group_m} stages={self.num_stages}"
         return (f"BLOCK_M={self.block_m} GROUP_M={self.group_m} warps={self.gate_up_warps}/{self.down_warps} "
-                f"stages={self.num_stages} down BLOCK_N={self.down_block_n}")
+                f"stages={self.num_stages} down BLOCK_N={self.down_block_n}" + (" pdl" if self.pdl else ""))
 
 
 # FP8[family]: ((most pairs per expert, config), ...) as EXPERTS. A gate/up stage holds a
@@ -444,7 +455,9 @@ _FP8_SMALL = ((8, FP8Config(16, 1, 4, 4, 3)), _FP8_LARGE[1], (None, FP8Config(64
 # tokens (moe_fp8_gluon_tune.json). Where the weights are not TMA-addressable the Triton prefill
 # entry serves instead.
 FP8_GLUON_PREFILL = FP8Config(128, 8, 4, 4, 5, gluon=True)
-_FP8_HOPPER = _FP8_LARGE[:-1] + ((128, _FP8_PREFILL), (None, FP8_GLUON_PREFILL))
+# Hopper's decode entry chains its launches as the 16-bit one (within 0.5%, benchmarks/results/moe_decode_pdl/).
+_FP8_HOPPER = (((8, replace(_FP8_DECODE, pdl=PDL_AVAILABLE)), _FP8_LARGE[1])
+               + ((128, _FP8_PREFILL), (None, FP8_GLUON_PREFILL)))
 # sm80 runs no FP8 on the GPU (the launcher refuses it); its entry serves Triton's interpreter.
 FP8 = {90: _FP8_HOPPER, 89: _FP8_SMALL, 80: _FP8_LARGE}
 FP8_TRITON_FALLBACK = {90: _FP8_PREFILL}

@@ -29,6 +29,7 @@ import torch
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..dependent_launch import launch_options
 from ..device import check_runnable, info_for, interpreter_active
 from ..launch import KernelLauncher, PlanCache
 from ..tma import addressable as tma_addressable
@@ -111,7 +112,8 @@ class _ExpertsPlan:
         self.num_tokens, self.hidden, self.inter, self.num_experts, self.top_k = T, H, two_i // 2, E, top_k
         self.config = config or configs.experts_config(info_for(hidden_states), hidden_states.element_size(), T,
                                                        top_k, E, H, self.inter)
-        self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device)
+        self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device,
+                                             self.config.pdl)
         self.path = configs.path_name(T)
         # The kernels read rows as `rows_read_in_place` says, and weights as
         # `unit_stride_rows_or_columns` says; other layouts are copied once.
@@ -187,8 +189,8 @@ def launch_gate_up(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, 
          layout.sorted_pairs, layout.block_expert, layout.block_rows,
          layout.num_blocks, H, I, top_k, int(h_grads is not None), x.stride(0), w1.stride(0), w1.stride(1),
          w1.stride(2), 0 if w1_bias is None else w1_bias.stride(0),
-         activation, cfg.block_m, g.block_n, g.block_k, g.group_m, tma, w1_bias is not None, interleaved),
-        num_warps=g.num_warps, num_stages=g.num_stages, device_index=device_index)
+         activation, cfg.block_m, g.block_n, g.block_k, g.group_m, tma, w1_bias is not None, interleaved, cfg.pdl),
+        num_warps=g.num_warps, num_stages=g.num_stages, device_index=device_index, **launch_options(cfg.pdl))
 
 
 def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, w2, y, topk_weights,
@@ -216,8 +218,8 @@ def launch_down(key, cfg: configs.ExpertsConfig, layout: routing.PairLayout, h, 
          tma_descriptor(w2, (1, d.block_n, d.block_k)) if tma else w2, y if w2_bias is None else w2_bias, y,
          topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks,
          H, I, w2.stride(0), w2.stride(1), w2.stride(2), 0 if w2_bias is None else w2_bias.stride(0), cfg.block_m,
-         d.block_n, d.block_k, d.group_m, tma, w2_bias is not None),
-        num_warps=d.num_warps, num_stages=d.num_stages, device_index=device_index)
+         d.block_n, d.block_k, d.group_m, tma, w2_bias is not None, cfg.pdl),
+        num_warps=d.num_warps, num_stages=d.num_stages, device_index=device_index, **launch_options(cfg.pdl))
 
 
 def gluon_down_suits(cfg: configs.ExpertsConfig, h, w2) -> bool:
@@ -228,13 +230,16 @@ def gluon_down_suits(cfg: configs.ExpertsConfig, h, w2) -> bool:
             and cfg.block_m == forward_gluon.TILE_M.value and h.element_size() == 2 and w2.is_contiguous())
 
 
-def launch_combine(key, y, topk_ids, out, num_experts: int, device_index) -> None:
-    """out (T, H) = sum over j of y[t * top_k + j], skipping ids outside [0, num_experts)."""
+def launch_combine(key, y, topk_ids, out, num_experts: int, device_index, pdl: bool = False) -> None:
+    """out (T, H) = sum over j of y[t * top_k + j], skipping ids outside [0, num_experts); with
+    `pdl`, as a programmatic dependent of the down GEMM."""
     T, H = out.shape
     _COMBINE.launch(
-        key, (-(-T // configs.COMBINE_BLOCK_T), -(-H // configs.COMBINE_BLOCK_H), 1),
-        (y, topk_ids, out, T, num_experts, H, topk_ids.shape[1], configs.COMBINE_BLOCK_T, configs.COMBINE_BLOCK_H),
-        num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index)
+        (key, pdl), (-(-T // configs.COMBINE_BLOCK_T), -(-H // configs.COMBINE_BLOCK_H), 1),
+        (y, topk_ids, out, T, num_experts, H, topk_ids.shape[1], configs.COMBINE_BLOCK_T, configs.COMBINE_BLOCK_H,
+         pdl),
+        num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index,
+        **launch_options(pdl))
 
 
 def gather_sum(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -271,7 +276,7 @@ def _run_down(plan: _ExpertsPlan, h, w2, topk_weights, topk_ids, layout, w2_bias
     y = routing.allocate((plan.dispatch.num_pairs, plan.hidden), h.dtype, h.device)
     out = routing.allocate((plan.num_tokens, plan.hidden), h.dtype, h.device)
     launch_down(plan.launch_key, plan.config, layout, h, w2, y, topk_weights, plan.device_index, w2_bias)
-    launch_combine(plan.launch_key, y, topk_ids, out, plan.num_experts, plan.device_index)
+    launch_combine(plan.launch_key, y, topk_ids, out, plan.num_experts, plan.device_index, plan.config.pdl)
     return out
 
 

@@ -18,6 +18,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
+from ..dependent_launch import launch_options
 from ..device import info_for
 from ..float8 import FP8_DTYPE, FP8_MAX, check_fp8_device
 from ..launch import KernelLauncher, PlanCache
@@ -160,7 +161,8 @@ class _FP8Plan:
         # and alignment).
         gluon_ok = w1.is_contiguous() and w2.is_contiguous() and addressable(w1, w2)
         self.config = configs.fp8_config(info_for(hidden_states), T, top_k, E, gluon_ok)
-        self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device)
+        self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device,
+                                             self.config.pdl)
         self.block_scales = block_shape is not None
         self.device_index = self.dispatch.device_index
         self.launch_key = (key, self.config)
@@ -192,17 +194,19 @@ def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights,
         key, (layout.num_blocks * (I // GROUP), 1, 1),
         (xq, xs, w1, w1_scale, hq, hs, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks,
          H, I, plan.top_k, w1.stride(0), w1.stride(1), w1_scale.stride(0), w1_scale.stride(1),
-         activation, plan.block_scales, cfg.block_m, cfg.group_m, GROUP),
-        num_warps=cfg.gate_up_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
+         activation, plan.block_scales, cfg.block_m, cfg.group_m, GROUP, cfg.pdl),
+        num_warps=cfg.gate_up_warps, num_stages=cfg.num_stages, device_index=plan.device_index,
+        **launch_options(cfg.pdl))
     y = routing.allocate((T * plan.top_k, H), x.dtype, device)
     _DOWN.launch(
         key, (layout.num_blocks * (H // cfg.down_block_n), 1, 1),
         (hq, hs, w2, w2_scale, y, topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows,
          layout.num_blocks, H, I, w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-         plan.block_scales, cfg.block_m, cfg.down_block_n, cfg.group_m, GROUP),
-        num_warps=cfg.down_warps, num_stages=cfg.num_stages, device_index=plan.device_index)
+         plan.block_scales, cfg.block_m, cfg.down_block_n, cfg.group_m, GROUP, cfg.pdl),
+        num_warps=cfg.down_warps, num_stages=cfg.num_stages, device_index=plan.device_index,
+        **launch_options(cfg.pdl))
     out = routing.allocate((T, H), x.dtype, device)
-    launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index)
+    launch_combine(key, y, topk_ids, out, plan.num_experts, plan.device_index, cfg.pdl)
     return out
 
 

@@ -69,12 +69,14 @@ def layout_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 class DispatchPlan:
     """Sizes, chunking and tiles of routing and dispatch for one problem shape (block_m None:
-    routing only, no layout)."""
+    routing only, no layout). release: the routing launch lets the next kernel, launched as its
+    programmatic dependent (`dependent_launch`), start at once."""
 
     __slots__ = ("num_tokens", "num_experts", "top_k", "num_pairs", "block_m", "num_blocks", "chunk_tokens",
-                 "num_chunks", "blocks_per_program", "device_index")
+                 "num_chunks", "blocks_per_program", "device_index", "release")
 
-    def __init__(self, num_tokens: int, num_experts: int, top_k: int, block_m: int | None, device: torch.device):
+    def __init__(self, num_tokens: int, num_experts: int, top_k: int, block_m: int | None, device: torch.device,
+                 release: bool = False):
         self.num_tokens, self.num_experts, self.top_k = num_tokens, num_experts, top_k
         self.num_pairs = num_tokens * top_k
         self.block_m = block_m or 1
@@ -83,6 +85,7 @@ class DispatchPlan:
         self.num_chunks = max(1, -(-num_tokens // self.chunk_tokens))
         self.blocks_per_program = -(-self.num_blocks // self.num_chunks)
         self.device_index = device.index if device.type == "cuda" else None
+        self.release = release
 
     def layout_buffers(self, device) -> PairLayout:
         return PairLayout(allocate((self.num_blocks * self.block_m,), torch.int32, device),
@@ -121,7 +124,7 @@ def route_pairs(router_logits: torch.Tensor, plan: DispatchPlan, key, *, sigmoid
          plan.num_tokens, plan.num_experts, router_logits.stride(0), plan.top_k, int(sigmoid), int(renormalize),
          program_tokens, plan.block_m, plan.num_blocks,
          expert_pad, configs.MAX_TOP_K, configs.route_rows(mode, expert_pad), mode,
-         configs.SORT_PAIRS, configs.DISPATCH_ROWS),
+         configs.SORT_PAIRS, configs.DISPATCH_ROWS, plan.release),
         num_warps=configs.route_warps(mode), num_stages=configs.DISPATCH_STAGES, device_index=plan.device_index)
     if with_layout and mode == "none":
         layout = align_pairs(ids, plan, key)

@@ -38,11 +38,7 @@ read or written outside the cache.
 import triton
 import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without programmatic dependent launch (before 3.4): never PDL
-    gdc_launch_dependents = gdc_wait = None
-
+from ...dependent_launch import gdc_launch_dependents, gdc_wait
 from ...float8 import to_e4m3
 from .forward import BOTH_EDGES, TF32, band_diagonals, finish, fp8_scores_scale, softmax_step
 
@@ -52,7 +48,6 @@ NO_SCALES = tl.constexpr(0)
 HEAD_SCALES = tl.constexpr(1)
 TOKEN_SCALES = tl.constexpr(2)
 FP8_MAX = tl.constexpr(448.0)
-PDL_AVAILABLE = gdc_wait is not None
 MIN_TOKEN_SCALE = tl.constexpr(1e-12)  # a token of zeros quantises to zeros, never 0 / 0
 
 

@@ -9,12 +9,16 @@ first (no atomics). Pairs whose id lies outside [0, E) were never computed and a
 import triton
 import triton.language as tl
 
+from ...dependent_launch import chain_start
 from .offsets import wide_offset
 
 
 @triton.jit(do_not_specialize=["top_k"])
-def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, H, top_k, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """y: (T * top_k, H) contiguous; ids: (T * top_k,) int32 or int64; out: (T, H) contiguous."""
+def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, H, top_k, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                   PDL: tl.constexpr):
+    """y: (T * top_k, H) contiguous; ids: (T * top_k,) int32 or int64; out: (T, H) contiguous.
+    PDL: launched as a programmatic dependent (`dependent_launch`)."""
+    chain_start(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = tokens < T

@@ -36,6 +36,7 @@ few builds `builds.shipped_builds` lists are every variant the launchers can run
 import triton
 import triton.language as tl
 
+from ...dependent_launch import release_dependents
 from .offsets import wide_offset
 
 
@@ -174,7 +175,7 @@ def route_kernel(
     logits_ptr, weights_ptr, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
     T, E, stride_lt, top_k, sigmoid, renormalize, program_tokens, block_m, max_blocks,
     E_PAD: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr, LAYOUT: tl.constexpr,
-    PAIRS: tl.constexpr, TILE_B: tl.constexpr,
+    PAIRS: tl.constexpr, TILE_B: tl.constexpr, RELEASE: tl.constexpr,
 ):
     """Routes the tokens [c * program_tokens, (c + 1) * program_tokens) of program c.
 
@@ -182,8 +183,10 @@ def route_kernel(
     (T, top_k) int32, contiguous. sigmoid, renormalize: 0 or 1. LAYOUT selects what else the
     program does: "none": routing only; "full" (one program covers every token): also builds
     the whole layout (sorted_pairs, block_expert, block_rows) itself; "one_token" (T = 1,
-    ROWS = 1): the same layout from the token's picks alone, no sort.
+    ROWS = 1): the same layout from the token's picks alone, no sort. RELEASE: the next kernel
+    (the gate/up GEMM) launches as a programmatic dependent (`dependent_launch`) and may start now.
     """
+    release_dependents(RELEASE)
     c = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     kcols = tl.arange(0, K_PAD)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ... import float8
+from ...dependent_launch import chain_start
 from ...float8 import to_e4m3
 from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile
 from .offsets import wide_offset
@@ -84,11 +85,13 @@ def gate_up_fp8_kernel(
     num_blocks_m, H, I, top_k,
     stride_we, stride_wn, stride_se, stride_sn,
     ACTIVATION: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     """xq: (T, H) FP8, xs: (T, H / GROUP) fp32; w1: (E, 2I, H) FP8, strides (stride_we,
     stride_wn, 1); w1s: (E, 2I / GROUP, H / GROUP) (block) or (E, 2I) (channel), strides
-    (stride_se, stride_sn, 1); hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP)."""
+    (stride_se, stride_sn, 1); hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP).
+    PDL: launched as a programmatic dependent (`dependent_launch`)."""
+    chain_start(PDL)
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
                                                BLOCK_M, GROUP, GROUP_M)
     if expert < 0:
@@ -123,12 +126,13 @@ def down_fp8_kernel(
     num_blocks_m, H, I,
     stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_SCALES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     """hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP) fp32; w2: (E, H, I) FP8,
     strides (stride_we, stride_wn, 1); w2s: (E, H / GROUP, I / GROUP) (block) or (E, H)
     (channel); weights: (T * top_k,) fp32; y: (T * top_k, H) contiguous, the output dtype.
-    BLOCK_N is a multiple of GROUP."""
+    BLOCK_N is a multiple of GROUP. PDL: launched as a programmatic dependent (`dependent_launch`)."""
+    chain_start(PDL)
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
                                                BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .. import configs
+from ...dependent_launch import chain_start
 from .offsets import wide_offset
 
 
@@ -143,7 +144,8 @@ def gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_be,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """x: (T, H), row stride stride_xt; w1: (E, 2I, H), strides (stride_we, stride_wn,
     stride_wk) (TMA: a descriptor of its (E, I, 2, H) view, blocks (1, BLOCK_N, 2, BLOCK_K));
@@ -152,7 +154,8 @@ def gate_up_kernel(
     products before the activation.
     h: (num_blocks_m * BLOCK_M, I) contiguous, in x's dtype; h_grads (written when
     store_h_grads is 1): (num_blocks_m * BLOCK_M, 2I) contiguous, in x's dtype,
-    [dh/dgate, dh/dup]."""
+    [dh/dgate, dh/dup]. PDL: launched as a programmatic dependent (`dependent_launch`)."""
+    chain_start(PDL)
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
                                                BLOCK_M, BLOCK_N, GROUP_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,13 +219,14 @@ def down_kernel(
     num_blocks_m, H, I,
     stride_we, stride_wn, stride_wk, stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """h: (num_blocks_m * BLOCK_M, I) contiguous; w2: (E, H, I), strides (stride_we,
     stride_wn, stride_wk); b2 (HAS_BIAS): (E, H), strides (stride_be, 1), added to each
     product before the routing weight scales it; weights: (T * top_k,) fp32 routing weights;
     y: (T * top_k, H) contiguous. TMA: h and w2 are descriptors, blocks (BLOCK_M, BLOCK_K) and
-    (1, BLOCK_N, BLOCK_K)."""
+    (1, BLOCK_N, BLOCK_K). PDL: launched as a programmatic dependent (`dependent_launch`)."""
+    chain_start(PDL)
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
                                                BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
