@@ -10,6 +10,7 @@ Prints one line per case and tiling (the format of benchmarks/results/moe_fp8_de
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -20,10 +21,13 @@ from ..moe import SHAPES
 from ..timing import graph_replay, time_gpu
 
 C = configs.FP8Config
-# (BLOCK_M, GROUP_M, gate/up warps, down warps, stages, down BLOCK_N) at BLOCK_M 16, the layout
-# of at most 8 pairs an expert.
+# (BLOCK_M, GROUP_M, gate/up warps, down warps, stages, down BLOCK_N). Below 64 rows Triton runs the
+# products on sm90 as mma.sync with both FP8 operands converted to fp16 in registers each K step;
+# from 64 rows as FP8 wgmma reading both tiles from shared memory unconverted (at T = 1, 63 of an
+# expert's 64 layout rows are padding).
 CANDIDATES = ([C(16, 1, 4, 4, stages, n) for n in (128, 64, 32) for stages in (3, 4, 6)]
-              + [C(16, 1, 8, 4, 4, 64), C(16, 1, 4, 8, 4, 64)])
+              + [C(16, 1, 8, 4, 4, 64), C(16, 1, 4, 8, 4, 64)]
+              + [C(64, 1, 8, 4, stages, n) for stages in (3, 4) for n in (64, 128)])
 
 
 def main() -> None:
@@ -61,7 +65,9 @@ def _sweep_shape(name, shape, tokens, table) -> None:
         logits = torch.randn(T, E, device="cuda", generator=g)
         print(f"{name} T={T} bf16: {graph_us(lambda: fused_moe(x, w1, w2, logits, k)):.1f} us", flush=True)
         reference = None
+        chained = table(info_for(x), T, k, E).pdl  # candidates launch as the table's entry does
         for cfg in [None, *CANDIDATES]:
+            cfg = cfg and replace(cfg, pdl=chained)
             configs.fp8_config = table if cfg is None else (lambda *_, cfg=cfg: cfg)
             fp8.PLANS.clear()  # plans keep the configuration they were made with
 
