@@ -82,6 +82,20 @@ def test_decode_combine_launches_as_a_dependent_of_the_split_kernel_on_hopper_on
 
 
 @pytest.mark.targets
+def test_moe_decode_launches_chain_as_programmatic_dependents_on_hopper_only(compiled_rows):
+    """sm90's MoE decode builds (configs' pdl entries: gate/up, down, their FP8 forms, the
+    combine) wait on griddepcontrol and the routing builds that release them signal it; no
+    other MoE build holds the instruction, and only sm90 has such builds."""
+    moe = [r for r in compiled_rows if r["label"].startswith("moe_")]
+    chained = [r for r in moe if r["label"].endswith((" pdl", " release"))]
+    assert {r["target"] for r in chained} == {"sm90"}
+    assert {r["label"].split()[0] for r in chained} >= {"moe_gate_up", "moe_down", "moe_fp8_gate_up", "moe_fp8_down",
+                                                        "moe_combine", "moe_route"}
+    assert all(r["griddepcontrol"] for r in chained), [r["label"] for r in chained if not r["griddepcontrol"]]
+    assert not any(r["griddepcontrol"] for r in moe if r not in chained)
+
+
+@pytest.mark.targets
 def test_hopper_attention_backward_tma_builds_use_wgmma_and_the_copy_engine(compiled_rows):
     """The backward builds that move tiles through descriptors (the Triton kernels' tma builds and
     the Gluon kernels) compile to bulk tensor copies and wgmma products on sm90; the pointer
