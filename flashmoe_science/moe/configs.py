@@ -63,8 +63,9 @@ class ExpertsConfig:
     many pipeline buffers and down's group_m, where the call suits it (16-bit, no bias, w2
     contiguous, descriptors possible); other calls run the Triton kernel with down's tiling.
     pdl (sm90): the gate/up, down and combine launches are programmatic dependents of the launch
-    before each (`dependent_launch`): launched before it finishes, waiting at their start; the
-    routing launch releases the gate/up launch as it starts."""
+    before each (`dependent_launch`): each launches as that kernel finishes, its launch overlapping
+    the kernel's end, and waits at its start; the routing launch releases the gate/up launch as it
+    starts, so gate/up launches while the routing runs."""
 
     block_m: int
     gate_up: GemmConfig

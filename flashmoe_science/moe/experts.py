@@ -9,7 +9,7 @@ A layer call is a fixed sequence of Triton launches sized from shapes alone:
 4. combine: each token's k rows summed in a fixed order (deterministic).
 Nothing is read back by the host, so the call can be captured in a CUDA graph. On Hopper at
 decode sizes (the configuration's `pdl`) launches 2-4 are programmatic dependents of the launch
-before each (`dependent_launch`), so each launch passes under the end of the one before.
+before each (`dependent_launch`), so each launch overlaps the end of the kernel before it.
 
 Calls that need gradients (autograd records and an input requires grad) or that torch.compile
 traces go through the torch.library custom ops of `ops.py` instead: the same launches, except
