@@ -54,6 +54,31 @@ def test_dispatcher_only_picks_shipped_configs(capability):
                     assert (element_size, cfg) in shipped
 
 
+@pytest.mark.targets
+def test_hopper_fp8_decode_gemms_run_fp8_wgmma(compiled_rows):
+    """The swapped FP8 entries (BLOCK_M 16 and 32: FP8Config.swap_ab) put the weight tiles on
+    wgmma's M side instead of running mma.sync on operands converted to fp16."""
+    swapped = [r for r in compiled_rows if r["target"] == "sm90" and "swap_ab" in r["label"]]
+    assert swapped and all(r["wgmma"] for r in swapped), [r["label"] for r in swapped if not r["wgmma"]]
+    assert {int(r["label"].split("BLOCK_M=")[1].split()[0]) for r in swapped} == {16, 32}
+
+
+def test_fp8_down_split_only_where_few_tiles_hold_long_k():
+    """The down GEMM's K splits where its tiles are fewer than the SMs and each split keeps its
+    minimum of K steps: Mixtral-8x7B at T = 1 (two experts of K = 14336), not at T = 4 (eight
+    experts' tiles), not Qwen3-30B-A3B or DeepSeek-V2-Lite (K = 768, 1408), nor an entry without
+    a split."""
+    hopper = DeviceInfo("probe", 90, 132, SHARED_MEMORY_PER_BLOCK[90], 0)
+    for name, T, split in (("mixtral-8x7b", 1, 2), ("mixtral-8x7b", 4, 1), ("qwen3-30b-a3b", 1, 1),
+                           ("deepseek-v2-lite", 1, 1)):
+        E, k, H, I = SHAPES[name]
+        cfg = configs.fp8_config(hopper, T, k, E)
+        assert cfg.down_split_k == 2
+        assert configs.fp8_down_split(cfg, hopper, T, k, E, H, I) == split, (name, T)
+    E, k, H, I = SHAPES["mixtral-8x7b"]
+    assert configs.fp8_down_split(configs.fp8_config(hopper, 512, k, E), hopper, 512, k, E, H, I) == 1
+
+
 def test_fp8_dispatch_takes_the_gluon_gemms_only_where_they_can_run(monkeypatch):
     """Hopper past 128 pairs an expert: the Gluon entry, unless the weights are not
     TMA-addressable or kernels run in the interpreter (then the Triton prefill entry); every pick

@@ -4,6 +4,8 @@ quantised values (tokens and the intermediate quantised per row and 128 columns,
 do), the error against the unquantised layer reported, poisoned outputs, and bad scales refused.
 Under the interpreter here (small shapes, fp32 products of FP8 values, exact); on a GPU with FP8
 tensor cores (sm89+) at larger shapes."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashmoe_science.bench.timing import captured_graph
-from flashmoe_science.launch import clear_records, last_launch
-from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+from flashmoe_science.launch import PlanCache, clear_records, last_launch
+from flashmoe_science.moe import configs, fp8, fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_blockwise,
                                       quantize_fp8_per_channel)
 from flashmoe_science.moe.reference import fused_experts_torch, gated_activation_torch
@@ -140,6 +142,43 @@ def test_fp8_experts_write_every_row_and_skip_dropped_slots():
     empty = fused_experts(x.to(torch.bfloat16)[:0], q1, q2, weights[:0], ids[:0], w1_scale=s1, w2_scale=s2,
                           block_shape=(128, 128))
     assert empty.shape == (0, 128)
+
+
+@needs_fp8
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+@pytest.mark.parametrize("block_m,split_k", [(16, 1), (16, 3), (32, 2)])
+def test_swapped_products_match_the_quantised_reference(monkeypatch, block, block_m, split_k):
+    """FP8Config.swap_ab (the weight tiles on the MMA's M side, the products transposed), with
+    the down GEMM's K whole or split (three splits of two K steps: one split adds nothing), on a
+    layout with a dropped slot, an expert without tokens, several K steps and two h groups: the
+    quantised reference's answer, as the table's tiling gives it."""
+    x, w1, w2, logits = _layer(6, 4, 256, 256, 2, seed=2)
+    weights, ids = moe_route(logits, 2)
+    ids = ids.clone().masked_fill(ids == 3, 0)  # expert 3 gets no token
+    ids[2, 1] = -1
+    quantize = quantize_fp8_blockwise if block else quantize_fp8_per_channel
+    (q1, s1), (q2, s2) = quantize(w1), quantize(w2)
+    xb = x.to(torch.bfloat16)
+
+    def run():
+        clear_records()
+        with torch.no_grad():
+            out = fused_experts(xb, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, block_shape=block)
+        return out, last_launch("moe_fp8_gate_up").constexprs, last_launch("moe_fp8_down").constexprs
+    plain, plain_gate_up, _ = run()
+    table = configs.fp8_config
+    monkeypatch.setattr(fp8, "PLANS", PlanCache())  # plans keep the configuration they were made with
+    monkeypatch.setattr(configs, "fp8_config", lambda *args: replace(table(*args), block_m=block_m, swap_ab=True,
+                                                                     down_split_k=split_k))
+    monkeypatch.setattr(configs, "fp8_down_split", lambda cfg, *args: cfg.down_split_k)  # whatever the shape
+    swapped, gate_up, down = run()
+    assert not plain_gate_up["SWAP_AB"] and gate_up["SWAP_AB"] and down["SWAP_AB"] and down["BLOCK_M"] == block_m
+    assert down["SPLIT_K"] == split_k
+    ref = _reference(xb, q1, s1, q2, s2, block, weights, ids)
+    bf16_rounding = _rel(ref.to(torch.bfloat16), ref)
+    for out in (plain, swapped):
+        assert _rel(out, ref) <= 2 * bf16_rounding + 6e-3
+    torch.testing.assert_close(swapped, plain, rtol=2e-2, atol=2e-2 * plain.abs().max().item())
 
 
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon GEMMs are sm90's")

@@ -186,14 +186,16 @@ def _builds(capability: int):
                         dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", w1_ptr="*fp8e4nv", hq_ptr="*fp8e4nv", **scales,
                              **layout),
                         dict(ACTIVATION=activation, BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m,
-                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP, PDL=cfg.pdl),
+                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP, SWAP_AB=cfg.swap_ab, PDL=cfg.pdl),
                         cfg.gate_up_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
-        for dtype, block_scales in product(("fp16", "bf16"), (True, False)):
-            yield build(f"moe_fp8_down {dtype} block_scales={block_scales} {cfg}", down_fp8_kernel,
-                        dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w2_ptr="*fp8e4nv", w2s_ptr="*fp32", y_ptr=f"*{dtype}",
-                             weights_ptr="*fp32", **layout),
+        # An entry that splits the down GEMM's K runs it whole too (fp8_down_split)
+        for dtype, block_scales, split in product(("fp16", "bf16"), (True, False), dict.fromkeys((1, cfg.down_split_k))):
+            runs = f" running split={split}" if cfg.down_split_k > 1 else ""
+            yield build(f"moe_fp8_down {dtype} block_scales={block_scales} {cfg}{runs}", down_fp8_kernel,
+                        dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w2_ptr="*fp8e4nv", w2s_ptr="*fp32",
+                             y_ptr="*fp32" if split > 1 else f"*{dtype}", weights_ptr="*fp32", **layout),
                         dict(BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
-                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP, PDL=cfg.pdl),
+                             GROUP_M=cfg.group_m, GROUP=FP8_GROUP, SPLIT_K=split, SWAP_AB=cfg.swap_ab, PDL=cfg.pdl),
                         cfg.down_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
     if capability >= 89:
         for dtype in ("fp16", "bf16"):
@@ -222,12 +224,15 @@ def _builds(capability: int):
                     dict(ids_ptr="*i32", counts_ptr="*i32", **layout),
                     dict(COUNT_TILE=COUNT_TILE, TABLE_ROWS=DISPATCH_ROWS, COUNT_HERE=count_here, **tiles),
                     DISPATCH_WARPS, DISPATCH_STAGES)
-    for dtype in ("fp16", "bf16", "fp32"):
-        for pdl in chained:
-            yield build(f"moe_combine {dtype}{' pdl' if pdl else ''}", combine_kernel,
-                        dict(y_ptr=f"*{dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),
-                        dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, PDL=pdl), COMBINE_WARPS,
-                        COMBINE_STAGES, aligned=("H",))
+    floats = ("fp16", "bf16", "fp32")
+    # y in the output's dtype, or fp32 partials from an FP8 down GEMM that splits K (FP8Config.down_split_k)
+    partials = [("fp32", "fp16"), ("fp32", "bf16")] if any(cfg.down_split_k > 1 for cfg in fp8_configs(capability)) else []
+    for (y_dtype, dtype), pdl in product(list(zip(floats, floats)) + partials, chained):
+        yield build(f"moe_combine {dtype}{'' if y_dtype == dtype else ' partials ' + y_dtype}{' pdl' if pdl else ''}",
+                    combine_kernel, dict(y_ptr=f"*{y_dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),
+                    dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, PDL=pdl), COMBINE_WARPS,
+                    COMBINE_STAGES, aligned=("H",))
+    for dtype in floats:
         yield build(f"moe_gather_sum {dtype}", gather_sum_kernel,
                     dict(rows_ptr=f"*{dtype}", index_ptr="*i64", out_ptr=f"*{dtype}"),
                     dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H), COMBINE_WARPS, COMBINE_STAGES,

@@ -401,11 +401,14 @@ SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 _TRITON_DTYPES = {2: ("fp16", "bf16"), 4: ("fp32",)}
 
 
+FP8_GROUP = 128  # FP8 scale groups: activations per row and 128 columns, weights per 128 x 128 block
+
+
 @dataclass(frozen=True)
 class FP8Config:
     """Tiling of the FP8 expert GEMMs (`_kernels/fp8.py`): BLOCK_K and the gate/up BLOCK_N are the
-    128-column quantisation group; the down BLOCK_N is 128 too, so H and I multiples of 128 need
-    no mask."""
+    128-column quantisation group; the down BLOCK_N divides 128 or is 128, so H and I multiples of
+    128 need no mask."""
 
     block_m: int
     group_m: int
@@ -418,12 +421,22 @@ class FP8Config:
     gluon: bool = False
     # As ExpertsConfig.pdl: the launches chain as programmatic dependents (sm90).
     pdl: bool = False
+    # The products transposed, weight tiles on the MMA's M side (`_kernels/fp8.py`'s `_product`):
+    # FP8 wgmma on Hopper at BLOCK_M below 64.
+    swap_ab: bool = False
+    # The down GEMM's K (I) split over this many programs a tile where its tiles are fewer than
+    # the SMs (`fp8_down_split`), each writing fp32 partial sums that the combine adds in a fixed
+    # order.
+    down_split_k: int = 1
 
     def __str__(self) -> str:
         if self.gluon:
             return f"gluon BLOCK_M={self.block_m} GROUP_M={self.group_m} stages={self.num_stages}"
         return (f"BLOCK_M={self.block_m} GROUP_M={self.group_m} warps={self.gate_up_warps}/{self.down_warps} "
-                f"stages={self.num_stages} down BLOCK_N={self.down_block_n}" + (" pdl" if self.pdl else ""))
+                f"stages={self.num_stages} down BLOCK_N={self.down_block_n}"
+                + (f" down split_k={self.down_split_k}" if self.down_split_k > 1 else "")
+                + (" swap_ab" if self.swap_ab else "")
+                + (" pdl" if self.pdl else ""))
 
 
 # FP8[family]: ((most pairs per expert, config), ...) as EXPERTS. A gate/up stage holds a
@@ -456,13 +469,21 @@ _FP8_SMALL = ((8, FP8Config(16, 1, 4, 4, 3)), _FP8_LARGE[1], (None, FP8Config(64
 # tokens (moe_fp8_gluon_tune.json). Where the weights are not TMA-addressable the Triton prefill
 # entry serves instead.
 FP8_GLUON_PREFILL = FP8Config(128, 8, 4, 4, 5, gluon=True)
-# Hopper's decode entry chains its launches as the 16-bit one (within 0.5%, benchmarks/results/moe_decode_pdl/).
-_FP8_HOPPER = (((8, replace(_FP8_DECODE, pdl=PDL_AVAILABLE)), _FP8_LARGE[1])
+# Hopper up to 32 pairs an expert: the products transposed (swap_ab: FP8 wgmma on the weight tiles
+# instead of mma.sync on both operands converted to fp16), six stages and whole-group down tiles at
+# decode, the down GEMM's K split in two where one or two experts of a wide layer hold the work. On
+# an H200 in CUDA graphs (benchmarks/results/moe_fp8_decode_swap_ab/, sweeps against the entries
+# before, (16, 1, 8, 4, 4, 64) and (32, 1, 8, 4, 3, 128)): Mixtral-8x7B T = 1 114 against 128 us
+# (0.60x the 16-bit layer), T = 4-16 3-5% faster, T = 64 386 against 438 us; Qwen3-30B-A3B and
+# DeepSeek-V2-Lite within -1 to +5% at T = 1-64 (their down GEMMs have enough tiles and too few
+# K steps to split). The decode entry chains its launches as the 16-bit one (within 0.5%,
+# benchmarks/results/moe_decode_pdl/).
+_FP8_HOPPER = (((8, FP8Config(16, 1, 8, 4, 6, 128, swap_ab=True, down_split_k=2, pdl=PDL_AVAILABLE)),
+                (32, FP8Config(32, 1, 8, 4, 4, 128, swap_ab=True)))
                + ((128, _FP8_PREFILL), (None, FP8_GLUON_PREFILL)))
 # sm80 runs no FP8 on the GPU (the launcher refuses it); its entry serves Triton's interpreter.
 FP8 = {90: _FP8_HOPPER, 89: _FP8_SMALL, 80: _FP8_LARGE}
 FP8_TRITON_FALLBACK = {90: _FP8_PREFILL}
-FP8_GROUP = 128  # FP8 scale groups: activations per row and 128 columns, weights per 128 x 128 block
 FP8_QUANTIZE_ROWS = 16  # token rows a program quantises (one group each)
 FP8_GATHER_ROWS = 32  # layout rows a program copies (every group) for the Gluon GEMMs
 
@@ -544,6 +565,22 @@ def fp8_config(device: DeviceInfo, num_tokens: int, top_k: int, num_experts: int
     if cfg.gluon and not (gluon_ok and not interpreter_active()):
         return FP8_TRITON_FALLBACK[device.arch_family]
     return cfg
+
+
+FP8_DOWN_SPLIT_MIN_STEPS = 16  # K steps of 128 each split of the down GEMM keeps at least
+
+
+def fp8_down_split(cfg: FP8Config, device: DeviceInfo, num_tokens: int, top_k: int, num_experts: int, hidden: int,
+                   inter: int) -> int:
+    """How many programs share each down tile's K: the entry's down_split_k where the launch has
+    fewer tiles than `device` has SMs (at most min(T k, E) experts' H / BLOCK_N tiles: one or two
+    experts of a wide layer at decode, as Mixtral-8x7B's at T = 1) and every split keeps
+    FP8_DOWN_SPLIT_MIN_STEPS K steps, else 1."""
+    tiles = min(num_tokens * top_k, num_experts) * (hidden // cfg.down_block_n)
+    steps = inter // FP8_GROUP
+    if tiles < device.sm_count and steps >= cfg.down_split_k * FP8_DOWN_SPLIT_MIN_STEPS:
+        return cfg.down_split_k
+    return 1
 
 
 def fp8_configs(capability: int):

@@ -233,13 +233,15 @@ def gluon_down_suits(cfg: configs.ExpertsConfig, h, w2) -> bool:
 
 
 def launch_combine(key, y, topk_ids, out, num_experts: int, device_index, pdl: bool = False) -> None:
-    """out (T, H) = sum over j of y[t * top_k + j], skipping ids outside [0, num_experts); with
-    `pdl`, as a programmatic dependent of the down GEMM."""
+    """out (T, H) = sum over j of y[t * top_k + j], skipping ids outside [0, num_experts); y
+    (splits, T * top_k, H) or (T * top_k, H): a down GEMM's K splits' partial rows, added after
+    each j. With `pdl`, as a programmatic dependent of the down GEMM."""
     T, H = out.shape
+    splits = y.shape[0] if y.dim() == 3 else 1
     _COMBINE.launch(
         (key, pdl), (-(-T // configs.COMBINE_BLOCK_T), -(-H // configs.COMBINE_BLOCK_H), 1),
-        (y, topk_ids, out, T, num_experts, H, topk_ids.shape[1], configs.COMBINE_BLOCK_T, configs.COMBINE_BLOCK_H,
-         pdl),
+        (y, topk_ids, out, T, num_experts, H, topk_ids.shape[1], splits, configs.COMBINE_BLOCK_T,
+         configs.COMBINE_BLOCK_H, pdl),
         num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index,
         **launch_options(pdl))
 

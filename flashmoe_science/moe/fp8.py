@@ -150,8 +150,8 @@ def check_scales_finite(w1_scale, w2_scale) -> None:
 
 
 class _FP8Plan:
-    __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "config", "dispatch", "block_scales",
-                 "device_index", "launch_key")
+    __slots__ = ("num_tokens", "hidden", "inter", "num_experts", "top_k", "config", "down_split", "dispatch",
+                 "block_scales", "device_index", "launch_key")
 
     def __init__(self, key, hidden_states, w1, w2, top_k, block_shape):
         T, H = hidden_states.shape
@@ -160,12 +160,14 @@ class _FP8Plan:
         # The Gluon kernels view the weights as (E * N, K) TMA tensors (the key holds their strides
         # and alignment).
         gluon_ok = w1.is_contiguous() and w2.is_contiguous() and addressable(w1, w2)
-        self.config = configs.fp8_config(info_for(hidden_states), T, top_k, E, gluon_ok)
+        device = info_for(hidden_states)
+        self.config = configs.fp8_config(device, T, top_k, E, gluon_ok)
+        self.down_split = configs.fp8_down_split(self.config, device, T, top_k, E, H, two_i // 2)
         self.dispatch = routing.DispatchPlan(T, E, top_k, self.config.block_m, hidden_states.device,
                                              self.config.pdl)
         self.block_scales = block_shape is not None
         self.device_index = self.dispatch.device_index
-        self.launch_key = (key, self.config)
+        self.launch_key = (key, self.config, self.down_split)
 
 
 def new_plan(key, hidden_states, w1, w2, top_k: int, block_shape) -> _FP8Plan:
@@ -194,15 +196,17 @@ def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights,
         key, (layout.num_blocks * (I // GROUP), 1, 1),
         (xq, xs, w1, w1_scale, hq, hs, layout.sorted_pairs, layout.block_expert, layout.block_rows, layout.num_blocks,
          H, I, plan.top_k, w1.stride(0), w1.stride(1), w1_scale.stride(0), w1_scale.stride(1),
-         activation, plan.block_scales, cfg.block_m, cfg.group_m, GROUP, cfg.pdl),
+         activation, plan.block_scales, cfg.block_m, cfg.group_m, GROUP, cfg.swap_ab, cfg.pdl),
         num_warps=cfg.gate_up_warps, num_stages=cfg.num_stages, device_index=plan.device_index,
         **launch_options(cfg.pdl))
-    y = routing.allocate((T * plan.top_k, H), x.dtype, device)
+    split = plan.down_split  # with a split, each part's fp32 partial rows, added by the combine
+    y = routing.allocate((split, T * plan.top_k, H), torch.float32, device) if split > 1 else \
+        routing.allocate((T * plan.top_k, H), x.dtype, device)
     _DOWN.launch(
-        key, (layout.num_blocks * (H // cfg.down_block_n), 1, 1),
+        key, (layout.num_blocks * (H // cfg.down_block_n) * split, 1, 1),
         (hq, hs, w2, w2_scale, y, topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows,
-         layout.num_blocks, H, I, w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-         plan.block_scales, cfg.block_m, cfg.down_block_n, cfg.group_m, GROUP, cfg.pdl),
+         layout.num_blocks, T * plan.top_k, H, I, w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+         plan.block_scales, cfg.block_m, cfg.down_block_n, cfg.group_m, GROUP, split, cfg.swap_ab, cfg.pdl),
         num_warps=cfg.down_warps, num_stages=cfg.num_stages, device_index=plan.device_index,
         **launch_options(cfg.pdl))
     out = routing.allocate((T, H), x.dtype, device)

@@ -21,13 +21,19 @@ from ..moe import SHAPES
 from ..timing import graph_replay, time_gpu
 
 C = configs.FP8Config
-# (BLOCK_M, GROUP_M, gate/up warps, down warps, stages, down BLOCK_N). Below 64 rows Triton runs the
-# products on sm90 as mma.sync with both FP8 operands converted to fp16 in registers each K step;
-# from 64 rows as FP8 wgmma reading both tiles from shared memory unconverted (at T = 1, 63 of an
-# expert's 64 layout rows are padding).
-CANDIDATES = ([C(16, 1, 4, 4, stages, n) for n in (128, 64, 32) for stages in (3, 4, 6)]
-              + [C(16, 1, 8, 4, 4, 64), C(16, 1, 4, 8, 4, 64)]
-              + [C(64, 1, 8, 4, stages, n) for stages in (3, 4) for n in (64, 128)])
+# (BLOCK_M, GROUP_M, gate/up warps, down warps, stages, down BLOCK_N, ...). Below 64 rows Triton runs
+# the products on sm90 as mma.sync with both FP8 operands converted to fp16 in registers each K step
+# (their tilings, 3-6 stages, down tiles of 32-128 columns, 4 or 8 warps, were swept on an H100:
+# benchmarks/results/moe_fp8_decode_sweep.txt); swap_ab puts the weight tile on the MMA's M side, so
+# they run as FP8 wgmma from shared memory with the token rows as N. BLOCK_M 64 in the plain order
+# (FP8 wgmma, 63 of 64 rows padding at T = 1) measured 0-13% slower than the table at T = 1-64 but
+# for Mixtral-8x7B at T = 64 (benchmarks/results/moe_fp8_decode_swap_ab/sweep_block_m64.txt).
+# down_split_k: more down programs where a few experts hold the work (Mixtral-8x7B's 14336-wide K).
+CANDIDATES = ([C(16, 1, 8, 4, 4, 64), C(16, 1, 4, 4, 4, 128)]
+              + [C(16, 1, warps, 4, stages, n, swap_ab=True) for warps in (4, 8) for stages in (4, 6) for n in (64, 128)]
+              + [C(16, 1, 4, 4, stages, n, swap_ab=True, down_split_k=split)
+                 for split in (2, 4) for stages in (4, 6) for n in (64, 128)]
+              + [C(32, 1, 8, 4, stages, n, swap_ab=True) for stages in (3, 4) for n in (64, 128)])
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import triton.language as tl
 from ... import float8
 from ...dependent_launch import chain_start
 from ...float8 import to_e4m3
-from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile
+from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile, _tile_of
 from .offsets import wide_offset
 
 FP8_MAX = tl.constexpr(float8.FP8_MAX)
@@ -60,20 +60,52 @@ def _weight_scales(ws_ptr, expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALE
 
 
 @triton.jit
+def _product(a, w, SWAP_AB: tl.constexpr):
+    """One K step's product a (BLOCK_M, K) @ w (K, N): as (BLOCK_M, N), or with SWAP_AB its
+    transpose (N, BLOCK_M) = w.T @ a.T, the weight tile on the MMA's M side and the token rows on
+    its N side. Hopper's FP8 wgmma needs 64 rows on the M side: the plain order pads a decode
+    block's few tokens to 64 rows or, below 64, runs mma.sync with both operands converted to
+    fp16 each step; the swapped order runs wgmma on the FP8 tiles with N = BLOCK_M >= 8."""
+    if SWAP_AB:
+        product = tl.dot(tl.trans(w), tl.trans(a))
+    else:
+        product = tl.dot(a, w)
+    return product
+
+
+@triton.jit
+def _outer(row_scale, col_scale, SWAP_AB: tl.constexpr):
+    """The scale of each product element, from the token rows' and the weight columns' scales,
+    in the orientation of `_product`."""
+    if SWAP_AB:
+        scale = col_scale[:, None] * row_scale[None, :]
+    else:
+        scale = row_scale[:, None] * col_scale[None, :]
+    return scale
+
+
+@triton.jit
 def _add_scaled(acc, product, a_scale, ws_ptr, expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALES: tl.constexpr,
-                GROUP: tl.constexpr):
+                GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + one K block's product scaled by its row scales (and, with block scales, the weight
     block's column scales)."""
     if BLOCK_SCALES:
         w_scale = _weight_scales(ws_ptr, expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALES, GROUP)
-        return acc + product * a_scale[:, None] * w_scale[None, :]
-    return acc + product * a_scale[:, None]
+        return acc + product * _outer(a_scale, w_scale, SWAP_AB)
+    if SWAP_AB:
+        scaled = product * a_scale[None, :]
+    else:
+        scaled = product * a_scale[:, None]
+    return acc + scaled
 
 
 @triton.jit
 def _channel_scaled(acc, ws_ptr, expert, stride_se, stride_sn, offs_n, BLOCK_SCALES: tl.constexpr,
-                    GROUP: tl.constexpr):
-    """The accumulator times the per-channel weight scales (unchanged with block scales)."""
+                    GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The accumulator (BLOCK_M, N) times the per-channel weight scales (unchanged with block
+    scales); with SWAP_AB the accumulator comes transposed and leaves untransposed."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if BLOCK_SCALES:
         return acc
     return acc * _weight_scales(ws_ptr, expert, stride_se, stride_sn, offs_n, 0, BLOCK_SCALES, GROUP)[None, :]
@@ -85,12 +117,13 @@ def gate_up_fp8_kernel(
     num_blocks_m, H, I, top_k,
     stride_we, stride_wn, stride_se, stride_sn,
     ACTIVATION: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
     """xq: (T, H) FP8, xs: (T, H / GROUP) fp32; w1: (E, 2I, H) FP8, strides (stride_we,
     stride_wn, 1); w1s: (E, 2I / GROUP, H / GROUP) (block) or (E, 2I) (channel), strides
     (stride_se, stride_sn, 1); hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP).
-    PDL: launched as a programmatic dependent (`dependent_launch`)."""
+    SWAP_AB: products transposed (`_product`). PDL: launched as a programmatic dependent
+    (`dependent_launch`)."""
     chain_start(PDL)
     expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, I,
                                                BLOCK_M, GROUP, GROUP_M)
@@ -104,15 +137,15 @@ def gate_up_fp8_kernel(
     offs_c = tl.arange(0, 2 * GROUP)
     w_rows = (offs_c % 2) * I + pid_n * GROUP + offs_c // 2
     w_ptrs = _expert_tile_ptrs(w1_ptr, expert, stride_we, w_rows, stride_wn, offs_k, 1)
-    acc = tl.zeros((BLOCK_M, 2 * GROUP), dtype=tl.float32)
+    acc = tl.zeros((2 * GROUP, BLOCK_M) if SWAP_AB else (BLOCK_M, 2 * GROUP), dtype=tl.float32)
     for kb in range(0, H // GROUP):
         a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         a_scale = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)
-        acc = _add_scaled(acc, tl.dot(a, tl.load(w_ptrs)), a_scale, w1s_ptr, expert, stride_se, stride_sn, w_rows, kb,
-                          BLOCK_SCALES, GROUP)
+        acc = _add_scaled(acc, _product(a, tl.load(w_ptrs), SWAP_AB), a_scale, w1s_ptr, expert, stride_se, stride_sn,
+                          w_rows, kb, BLOCK_SCALES, GROUP, SWAP_AB)
         x_ptrs += GROUP
         w_ptrs += GROUP
-    acc = _channel_scaled(acc, w1s_ptr, expert, stride_se, stride_sn, w_rows, BLOCK_SCALES, GROUP)
+    acc = _channel_scaled(acc, w1s_ptr, expert, stride_se, stride_sn, w_rows, BLOCK_SCALES, GROUP, SWAP_AB)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, GROUP, 2)))
     h, h_scale = _quantize_rows(_gated_activation(gate, up, ACTIVATION))
     offs_n = pid_n * GROUP + tl.arange(0, GROUP)
@@ -120,37 +153,45 @@ def gate_up_fp8_kernel(
     tl.store(hs_ptr + wide_offset(rows, I // GROUP) + pid_n, h_scale)
 
 
-@triton.jit(do_not_specialize=["num_blocks_m"])
+@triton.jit(do_not_specialize=["num_blocks_m", "num_pairs"])
 def down_fp8_kernel(
     hq_ptr, hs_ptr, w2_ptr, w2s_ptr, y_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
-    num_blocks_m, H, I,
+    num_blocks_m, num_pairs, H, I,
     stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_SCALES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
     """hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP) fp32; w2: (E, H, I) FP8,
     strides (stride_we, stride_wn, 1); w2s: (E, H / GROUP, I / GROUP) (block) or (E, H)
-    (channel); weights: (T * top_k,) fp32; y: (T * top_k, H) contiguous, the output dtype.
-    BLOCK_N is a multiple of GROUP. PDL: launched as a programmatic dependent (`dependent_launch`)."""
+    (channel); weights: (num_pairs = T * top_k,) fp32; y: (num_pairs, H) contiguous, the output
+    dtype, or with SPLIT_K > 1 (SPLIT_K, num_pairs, H) fp32: SPLIT_K programs a tile, program s adding the
+    s-th run of K steps and writing its partial rows to y[s] (the combine adds them). BLOCK_N
+    divides GROUP or is a multiple of it. SWAP_AB: products transposed (`_product`). PDL:
+    launched as a programmatic dependent (`dependent_launch`)."""
     chain_start(PDL)
-    expert, rows, row_ok, pairs, pid_n = _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, H,
-                                               BLOCK_M, BLOCK_N, GROUP_M)
+    expert, rows, row_ok, pairs, pid_n = _tile_of(tl.program_id(0) // SPLIT_K, sorted_pairs_ptr, block_expert_ptr,
+                                                  block_rows_ptr, num_blocks_m, H, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
+    steps = tl.cdiv(I // GROUP, SPLIT_K)  # K steps a split adds (the last split may add fewer, or none)
+    first = (tl.program_id(0) % SPLIT_K) * steps
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, GROUP)
+    offs_k = first * GROUP + tl.arange(0, GROUP)
     h_ptrs = hq_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
     hs_ptrs = hs_ptr + wide_offset(rows, I // GROUP)
     w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k, 1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, I // GROUP):
-        acc = _add_scaled(acc, tl.dot(tl.load(h_ptrs), tl.load(w_ptrs)), tl.load(hs_ptrs + kb), w2s_ptr, expert,
-                          stride_se, stride_sn, offs_n, kb, BLOCK_SCALES, GROUP)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(first, tl.minimum(first + steps, I // GROUP)):
+        acc = _add_scaled(acc, _product(tl.load(h_ptrs), tl.load(w_ptrs), SWAP_AB), tl.load(hs_ptrs + kb), w2s_ptr,
+                          expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALES, GROUP, SWAP_AB)
         h_ptrs += GROUP
         w_ptrs += GROUP
-    acc = _channel_scaled(acc, w2s_ptr, expert, stride_se, stride_sn, offs_n, BLOCK_SCALES, GROUP)
+    acc = _channel_scaled(acc, w2s_ptr, expert, stride_se, stride_sn, offs_n, BLOCK_SCALES, GROUP, SWAP_AB)
     route_weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
     y = acc * route_weight[:, None]
+    if SPLIT_K > 1:
+        pairs += (tl.program_id(0) % SPLIT_K) * num_pairs  # the rows of this program's part
     tl.store(y_ptr + wide_offset(pairs, H)[:, None] + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 

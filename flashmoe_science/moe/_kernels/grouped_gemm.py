@@ -67,7 +67,15 @@ def _tile(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, n_ou
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's tile: its expert (-1: nothing to do), layout rows (BLOCK_M,), which of
     them hold pairs, their pair indices, and its column tile (BLOCK_N columns out of n_out)."""
-    pid_m, pid_n = _tile_coordinates(tl.program_id(0), num_blocks_m, tl.cdiv(n_out, BLOCK_N), GROUP_M)
+    return _tile_of(tl.program_id(0), sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, n_out,
+                    BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def _tile_of(pid, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, num_blocks_m, n_out,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_tile` of tile `pid` (where programs share a tile)."""
+    pid_m, pid_n = _tile_coordinates(pid, num_blocks_m, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + pid_m)
     pairs = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)
