@@ -151,7 +151,7 @@ def test_swapped_products_match_the_quantised_reference(monkeypatch, block, bloc
     """FP8Config.swap_ab (the weight tiles on the MMA's M side, the products transposed), with
     the down GEMM's K whole or split (three splits of two K steps: one split adds nothing), on a
     layout with a dropped slot, an expert without tokens, several K steps and two h groups: the
-    quantised reference's answer, as the table's tiling gives it."""
+    quantised reference's answer, as the plain orientation gives it."""
     x, w1, w2, logits = _layer(6, 4, 256, 256, 2, seed=2)
     weights, ids = moe_route(logits, 2)
     ids = ids.clone().masked_fill(ids == 3, 0)  # expert 3 gets no token
@@ -160,18 +160,18 @@ def test_swapped_products_match_the_quantised_reference(monkeypatch, block, bloc
     (q1, s1), (q2, s2) = quantize(w1), quantize(w2)
     xb = x.to(torch.bfloat16)
 
-    def run():
+    table = configs.fp8_config
+    monkeypatch.setattr(configs, "fp8_down_split", lambda cfg, *args: cfg.down_split_k)  # whatever the shape
+
+    def run(**tiling):
+        monkeypatch.setattr(fp8, "PLANS", PlanCache())  # plans keep the configuration they were made with
+        monkeypatch.setattr(configs, "fp8_config", lambda *args: replace(table(*args), **tiling))
         clear_records()
         with torch.no_grad():
             out = fused_experts(xb, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, block_shape=block)
         return out, last_launch("moe_fp8_gate_up").constexprs, last_launch("moe_fp8_down").constexprs
-    plain, plain_gate_up, _ = run()
-    table = configs.fp8_config
-    monkeypatch.setattr(fp8, "PLANS", PlanCache())  # plans keep the configuration they were made with
-    monkeypatch.setattr(configs, "fp8_config", lambda *args: replace(table(*args), block_m=block_m, swap_ab=True,
-                                                                     down_split_k=split_k))
-    monkeypatch.setattr(configs, "fp8_down_split", lambda cfg, *args: cfg.down_split_k)  # whatever the shape
-    swapped, gate_up, down = run()
+    plain, plain_gate_up, _ = run(swap_ab=False, down_split_k=1)
+    swapped, gate_up, down = run(block_m=block_m, swap_ab=True, down_split_k=split_k)
     assert not plain_gate_up["SWAP_AB"] and gate_up["SWAP_AB"] and down["SWAP_AB"] and down["BLOCK_M"] == block_m
     assert down["SPLIT_K"] == split_k
     ref = _reference(xb, q1, s1, q2, s2, block, weights, ids)

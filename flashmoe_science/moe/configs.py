@@ -470,15 +470,15 @@ _FP8_SMALL = ((8, FP8Config(16, 1, 4, 4, 3)), _FP8_LARGE[1], (None, FP8Config(64
 # entry serves instead.
 FP8_GLUON_PREFILL = FP8Config(128, 8, 4, 4, 5, gluon=True)
 # Hopper up to 32 pairs an expert: the products transposed (swap_ab: FP8 wgmma on the weight tiles
-# instead of mma.sync on both operands converted to fp16), six stages and whole-group down tiles at
-# decode, the down GEMM's K split in two where one or two experts of a wide layer hold the work. On
-# an H200 in CUDA graphs (benchmarks/results/moe_fp8_decode_swap_ab/, sweeps against the entries
-# before, (16, 1, 8, 4, 4, 64) and (32, 1, 8, 4, 3, 128)): Mixtral-8x7B T = 1 114 against 128 us
-# (0.60x the 16-bit layer), T = 4-16 3-5% faster, T = 64 386 against 438 us; Qwen3-30B-A3B and
-# DeepSeek-V2-Lite within -1 to +5% at T = 1-64 (their down GEMMs have enough tiles and too few
-# K steps to split). The decode entry chains its launches as the 16-bit one (within 0.5%,
-# benchmarks/results/moe_decode_pdl/).
-_FP8_HOPPER = (((8, FP8Config(16, 1, 8, 4, 6, 128, swap_ab=True, down_split_k=2, pdl=PDL_AVAILABLE)),
+# instead of mma.sync on both operands converted to fp16), and at decode the down GEMM's K split in
+# two where one or two experts of a wide layer hold the work (`fp8_down_split`). Swept and A/B-timed
+# on an H200 in CUDA graphs (benchmarks/results/moe_fp8_decode_swap_ab/): against the entries
+# before, (16, 1, 8, 4, 4, 64) and (32, 1, 8, 4, 3, 128) in the plain orientation, Mixtral-8x7B
+# T = 1 0.88x the time (0.58-0.59x the 16-bit layer), T = 64 0.88x, Qwen3-30B-A3B and
+# DeepSeek-V2-Lite T = 256 0.91-0.93x, T = 1 0.94-0.96x; six stages and 128-column down tiles
+# measured 2-4% slower than four and 64 for Qwen3-30B-A3B and DeepSeek-V2-Lite at T = 4-16. The
+# decode entry chains its launches as the 16-bit one (within 0.5%, benchmarks/results/moe_decode_pdl/).
+_FP8_HOPPER = (((8, replace(_FP8_DECODE, swap_ab=True, down_split_k=2, pdl=PDL_AVAILABLE)),
                 (32, FP8Config(32, 1, 8, 4, 4, 128, swap_ab=True)))
                + ((128, _FP8_PREFILL), (None, FP8_GLUON_PREFILL)))
 # sm80 runs no FP8 on the GPU (the launcher refuses it); its entry serves Triton's interpreter.
