@@ -189,7 +189,8 @@ def _builds(capability: int):
                              GROUP_M=cfg.group_m, GROUP=FP8_GROUP, SWAP_AB=cfg.swap_ab, PDL=cfg.pdl),
                         cfg.gate_up_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
         # An entry that splits the down GEMM's K runs it whole too (fp8_down_split)
-        for dtype, block_scales, split in product(("fp16", "bf16"), (True, False), dict.fromkeys((1, cfg.down_split_k))):
+        splits = dict.fromkeys((1, cfg.down_split_k))
+        for dtype, block_scales, split in product(("fp16", "bf16"), (True, False), splits):
             runs = f" running split={split}" if cfg.down_split_k > 1 else ""
             yield build(f"moe_fp8_down {dtype} block_scales={block_scales} {cfg}{runs}", down_fp8_kernel,
                         dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w2_ptr="*fp8e4nv", w2s_ptr="*fp32",
@@ -225,12 +226,13 @@ def _builds(capability: int):
                     dict(COUNT_TILE=COUNT_TILE, TABLE_ROWS=DISPATCH_ROWS, COUNT_HERE=count_here, **tiles),
                     DISPATCH_WARPS, DISPATCH_STAGES)
     floats = ("fp16", "bf16", "fp32")
-    # y in the output's dtype, or fp32 partials from an FP8 down GEMM that splits K (FP8Config.down_split_k)
-    partials = [("fp32", "fp16"), ("fp32", "bf16")] if any(cfg.down_split_k > 1 for cfg in fp8_configs(capability)) else []
-    for (y_dtype, dtype), pdl in product(list(zip(floats, floats)) + partials, chained):
-        yield build(f"moe_combine {dtype}{'' if y_dtype == dtype else ' partials ' + y_dtype}{' pdl' if pdl else ''}",
+    # y in the output's dtype, or the fp32 partial rows of an FP8 down GEMM that splits K (FP8Config.down_split_k)
+    splits = sorted({cfg.down_split_k for cfg in fp8_configs(capability)} - {1})
+    inputs = [(dtype, dtype, 1) for dtype in floats] + [("fp32", dtype, n) for n in splits for dtype in ("fp16", "bf16")]
+    for (y_dtype, dtype, n), pdl in product(inputs, chained):
+        yield build(f"moe_combine {dtype}{f' partials {y_dtype} x{n}' if n > 1 else ''}{' pdl' if pdl else ''}",
                     combine_kernel, dict(y_ptr=f"*{y_dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),
-                    dict(BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, PDL=pdl), COMBINE_WARPS,
+                    dict(SPLITS=n, BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, PDL=pdl), COMBINE_WARPS,
                     COMBINE_STAGES, aligned=("H",))
     for dtype in floats:
         yield build(f"moe_gather_sum {dtype}", gather_sum_kernel,

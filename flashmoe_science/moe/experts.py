@@ -239,7 +239,7 @@ def launch_combine(key, y, topk_ids, out, num_experts: int, device_index, pdl: b
     T, H = out.shape
     splits = y.shape[0] if y.dim() == 3 else 1
     _COMBINE.launch(
-        (key, pdl), (-(-T // configs.COMBINE_BLOCK_T), -(-H // configs.COMBINE_BLOCK_H), 1),
+        (key, pdl, splits), (-(-T // configs.COMBINE_BLOCK_T), -(-H // configs.COMBINE_BLOCK_H), 1),
         (y, topk_ids, out, T, num_experts, H, topk_ids.shape[1], splits, configs.COMBINE_BLOCK_T,
          configs.COMBINE_BLOCK_H, pdl),
         num_warps=configs.COMBINE_WARPS, num_stages=configs.COMBINE_STAGES, device_index=device_index,

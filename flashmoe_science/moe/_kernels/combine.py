@@ -14,12 +14,12 @@ from ...dependent_launch import chain_start
 from .offsets import wide_offset
 
 
-@triton.jit(do_not_specialize=["top_k", "num_splits"])
-def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, H, top_k, num_splits, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                   PDL: tl.constexpr):
-    """y: (num_splits, T * top_k, H) contiguous, each pair's row in num_splits parts (a down GEMM
-    whose K is split) added in the order s = 0, 1, ... after j; ids: (T * top_k,) int32 or int64;
-    out: (T, H) contiguous. PDL: launched as a programmatic dependent (`dependent_launch`)."""
+@triton.jit(do_not_specialize=["top_k"])
+def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, H, top_k, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """y: (SPLITS, T * top_k, H) contiguous, each pair's row in SPLITS parts (a down GEMM whose K
+    is split) added in the order s = 0, 1, ... after j; ids: (T * top_k,) int32 or int64; out:
+    (T, H) contiguous. PDL: launched as a programmatic dependent (`dependent_launch`)."""
     chain_start(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -30,8 +30,9 @@ def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, H, top_k, num_splits, BLOCK_T:
         pairs = tokens * top_k + j
         e = tl.load(ids_ptr + pairs, mask=t_ok, other=-1)
         routed = (e >= 0) & (e < E)
-        for s in range(num_splits):
-            acc += tl.load(y_ptr + wide_offset(pairs + s * T * top_k, H)[:, None] + cols[None, :],
+        for s in tl.static_range(SPLITS):
+            rows = pairs + s * T * top_k if s > 0 else pairs
+            acc += tl.load(y_ptr + wide_offset(rows, H)[:, None] + cols[None, :],
                            mask=ok & routed[:, None], other=0.0).to(tl.float32)
     tl.store(out_ptr + wide_offset(tokens, H)[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=ok)

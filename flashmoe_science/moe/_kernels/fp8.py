@@ -174,15 +174,20 @@ def down_fp8_kernel(
                                                   block_rows_ptr, num_blocks_m, H, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    steps = tl.cdiv(I // GROUP, SPLIT_K)  # K steps a split adds (the last split may add fewer, or none)
-    first = (tl.program_id(0) % SPLIT_K) * steps
+    if SPLIT_K == 1:
+        first = 0
+        last = I // GROUP
+    else:  # K steps a split adds: the last split may add fewer, or none
+        steps = tl.cdiv(I // GROUP, SPLIT_K)
+        first = (tl.program_id(0) % SPLIT_K) * steps
+        last = tl.minimum(first + steps, I // GROUP)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = first * GROUP + tl.arange(0, GROUP)
     h_ptrs = hq_ptr + wide_offset(rows, I)[:, None] + offs_k[None, :]
     hs_ptrs = hs_ptr + wide_offset(rows, I // GROUP)
     w_ptrs = _expert_tile_ptrs(w2_ptr, expert, stride_we, offs_n, stride_wn, offs_k, 1)
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(first, tl.minimum(first + steps, I // GROUP)):
+    for kb in range(first, last):
         acc = _add_scaled(acc, _product(tl.load(h_ptrs), tl.load(w_ptrs), SWAP_AB), tl.load(hs_ptrs + kb), w2s_ptr,
                           expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALES, GROUP, SWAP_AB)
         h_ptrs += GROUP
