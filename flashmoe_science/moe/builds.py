@@ -226,9 +226,11 @@ def _builds(capability: int):
                     dict(COUNT_TILE=COUNT_TILE, TABLE_ROWS=DISPATCH_ROWS, COUNT_HERE=count_here, **tiles),
                     DISPATCH_WARPS, DISPATCH_STAGES)
     floats = ("fp16", "bf16", "fp32")
-    # y in the output's dtype, or the fp32 partial rows of an FP8 down GEMM that splits K (FP8Config.down_split_k)
+    # y in the output's dtype, or the fp32 partial rows of an FP8 down GEMM that splits K
+    # (FP8Config.down_split_k)
     splits = sorted({cfg.down_split_k for cfg in fp8_configs(capability)} - {1})
-    inputs = [(dtype, dtype, 1) for dtype in floats] + [("fp32", dtype, n) for n in splits for dtype in ("fp16", "bf16")]
+    inputs = ([(dtype, dtype, 1) for dtype in floats]
+              + [("fp32", dtype, n) for n in splits for dtype in ("fp16", "bf16")])
     for (y_dtype, dtype, n), pdl in product(inputs, chained):
         yield build(f"moe_combine {dtype}{f' partials {y_dtype} x{n}' if n > 1 else ''}{' pdl' if pdl else ''}",
                     combine_kernel, dict(y_ptr=f"*{y_dtype}", ids_ptr="*i32", out_ptr=f"*{dtype}"),

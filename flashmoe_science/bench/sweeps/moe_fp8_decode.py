@@ -30,7 +30,8 @@ C = configs.FP8Config
 # for Mixtral-8x7B at T = 64 (benchmarks/results/moe_fp8_decode_swap_ab/sweep_block_m64.txt).
 # down_split_k: more down programs where a few experts hold the work (Mixtral-8x7B's 14336-wide K).
 CANDIDATES = ([C(16, 1, 8, 4, 4, 64), C(16, 1, 4, 4, 4, 128)]
-              + [C(16, 1, warps, 4, stages, n, swap_ab=True) for warps in (4, 8) for stages in (4, 6) for n in (64, 128)]
+              + [C(16, 1, warps, 4, stages, n, swap_ab=True)
+                 for warps in (4, 8) for stages in (4, 6) for n in (64, 128)]
               + [C(16, 1, 4, 4, stages, n, swap_ab=True, down_split_k=split)
                  for split in (2, 4) for stages in (4, 6) for n in (64, 128)]
               + [C(32, 1, 8, 4, stages, n, swap_ab=True) for stages in (3, 4) for n in (64, 128)])
