@@ -4,7 +4,9 @@ quantised values (tokens and the intermediate quantised per row and 128 columns,
 do), the error against the unquantised layer reported, poisoned outputs, and bad scales refused.
 Under the interpreter here (small shapes, fp32 products of FP8 values, exact); on a GPU with FP8
 tensor cores (sm89+) at larger shapes."""
+import contextlib
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -54,6 +56,17 @@ def _reference(x, q1, s1, q2, s2, block, weights, ids, activation="silu"):
 
 def _rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
+
+
+@contextlib.contextmanager
+def forced_fp8_tiling(**tiling):
+    """Calls inside run the table's FP8 entry with `tiling`'s fields replaced, and split the down
+    GEMM's K as that entry says whatever the shape (fresh plans: a plan keeps its configuration)."""
+    table = configs.fp8_config
+    with (mock.patch.object(fp8, "PLANS", PlanCache()),
+          mock.patch.object(configs, "fp8_config", lambda *args: replace(table(*args), **tiling)),
+          mock.patch.object(configs, "fp8_down_split", lambda cfg, *args: cfg.down_split_k)):
+        yield
 
 
 def _layer(T, E, H, I, k, seed=0):
@@ -147,7 +160,7 @@ def test_fp8_experts_write_every_row_and_skip_dropped_slots():
 @needs_fp8
 @pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
 @pytest.mark.parametrize("block_m,split_k", [(16, 1), (16, 3), (32, 2)])
-def test_swapped_products_match_the_quantised_reference(monkeypatch, block, block_m, split_k):
+def test_swapped_products_match_the_quantised_reference(block, block_m, split_k):
     """FP8Config.swap_ab (the weight tiles on the MMA's M side, the products transposed), with
     the down GEMM's K whole or split (three splits of two K steps: one split adds nothing), on a
     layout with a dropped slot, an expert without tokens, several K steps and two h groups: the
@@ -160,14 +173,9 @@ def test_swapped_products_match_the_quantised_reference(monkeypatch, block, bloc
     (q1, s1), (q2, s2) = quantize(w1), quantize(w2)
     xb = x.to(torch.bfloat16)
 
-    table = configs.fp8_config
-    monkeypatch.setattr(configs, "fp8_down_split", lambda cfg, *args: cfg.down_split_k)  # whatever the shape
-
     def run(**tiling):
-        monkeypatch.setattr(fp8, "PLANS", PlanCache())  # plans keep the configuration they were made with
-        monkeypatch.setattr(configs, "fp8_config", lambda *args: replace(table(*args), **tiling))
         clear_records()
-        with torch.no_grad():
+        with forced_fp8_tiling(**tiling), torch.no_grad():
             out = fused_experts(xb, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, block_shape=block)
         return out, last_launch("moe_fp8_gate_up").constexprs, last_launch("moe_fp8_down").constexprs
     plain, plain_gate_up, _ = run(swap_ab=False, down_split_k=1)
@@ -356,7 +364,8 @@ def fp8_cases(draw):
                 routing=draw(st.sampled_from(["random", "one_expert", "dropped"])),
                 id_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
                 layout=draw(st.sampled_from(["contiguous", "row_stride", "column_stride"])),
-                scale=draw(st.sampled_from([1e-3, 1.0, 30.0])))  # outputs to about 1e4: within fp16
+                scale=draw(st.sampled_from([1e-3, 1.0, 30.0])),  # outputs to about 1e4: within fp16
+                tiling=draw(st.sampled_from(["table", "swap_ab", "swap_ab split"])))
 
 
 @needs_fp8
@@ -364,7 +373,8 @@ def fp8_cases(draw):
 def test_fp8_experts_match_the_quantised_reference_on_any_input(case):
     """Random members of the FP8 path's input class: token counts from 0, expert counts, routings
     to one expert or dropped, int32 and int64 ids, tokens with a row stride or a column stride,
-    magnitudes over four decades; against the float64 reference of the same quantised values."""
+    magnitudes over four decades, the table's tiling or transposed products with or without a
+    split down GEMM; against the float64 reference of the same quantised values."""
     c = case
     torch.manual_seed(0)
     T, E, k, H, I = c["T"], c["E"], c["k"], c["H"], c["I"]
@@ -383,7 +393,9 @@ def test_fp8_experts_match_the_quantised_reference_on_any_input(case):
     elif c["routing"] == "dropped" and T:
         ids[torch.rand(T, k, device=DEVICE) < 0.3] = E + 7
     weights = torch.rand(T, k, device=DEVICE)
-    with torch.no_grad():
+    tiling = {"table": contextlib.nullcontext(), "swap_ab": forced_fp8_tiling(swap_ab=True),
+              "swap_ab split": forced_fp8_tiling(swap_ab=True, down_split_k=3)}[c["tiling"]]
+    with tiling, torch.no_grad():
         out = fused_experts(x, q1, q2, weights, ids.to(c["id_dtype"]), activation=c["activation"], w1_scale=s1,
                             w2_scale=s2, block_shape=c["block"])
     assert out.shape == (T, H) and out.dtype == c["dtype"]
