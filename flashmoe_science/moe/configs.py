@@ -474,10 +474,10 @@ FP8_GLUON_PREFILL = FP8Config(128, 8, 4, 4, 5, gluon=True)
 # two where one or two experts of a wide layer hold the work (`fp8_down_split`). Swept and A/B-timed
 # on an H200 in CUDA graphs (benchmarks/results/moe_fp8_decode_swap_ab/): against the entries
 # before, (16, 1, 8, 4, 4, 64) and (32, 1, 8, 4, 3, 128) in the plain orientation, Mixtral-8x7B
-# T = 1 0.88x the time (0.58-0.59x the 16-bit layer), T = 64 0.88x, Qwen3-30B-A3B and
-# DeepSeek-V2-Lite T = 256 0.91-0.93x, T = 1 0.94-0.96x; six stages and 128-column down tiles
-# measured 2-4% slower than four and 64 for Qwen3-30B-A3B and DeepSeek-V2-Lite at T = 4-16. The
-# decode entry chains its launches as the 16-bit one (within 0.5%, benchmarks/results/moe_decode_pdl/).
+# T = 1 0.88x the time (0.58x the 16-bit layer), T = 16 0.96x, T = 64 0.89x; Qwen3-30B-A3B and
+# DeepSeek-V2-Lite T = 1 0.93-0.95x, T = 256 0.91-0.93x, T = 4-64 1.00-1.02x. Six stages and
+# 128-column down tiles measured 2-4% slower than four and 64 at T = 4 for those two. The decode
+# entry chains its launches as the 16-bit one (within 0.5%, benchmarks/results/moe_decode_pdl/).
 _FP8_HOPPER = (((8, replace(_FP8_DECODE, swap_ab=True, down_split_k=2, pdl=PDL_AVAILABLE)),
                 (32, FP8Config(32, 1, 8, 4, 4, 128, swap_ab=True)))
                + ((128, _FP8_PREFILL), (None, FP8_GLUON_PREFILL)))

@@ -200,8 +200,8 @@ def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights,
         num_warps=cfg.gate_up_warps, num_stages=cfg.num_stages, device_index=plan.device_index,
         **launch_options(cfg.pdl))
     split = plan.down_split  # with a split, each part's fp32 partial rows, added by the combine
-    y = routing.allocate((split, T * plan.top_k, H), torch.float32, device) if split > 1 else \
-        routing.allocate((T * plan.top_k, H), x.dtype, device)
+    y = (routing.allocate((split, T * plan.top_k, H), torch.float32, device) if split > 1
+         else routing.allocate((T * plan.top_k, H), x.dtype, device))
     _DOWN.launch(
         key, (layout.num_blocks * (H // cfg.down_block_n) * split, 1, 1),
         (hq, hs, w2, w2_scale, y, topk_weights, layout.sorted_pairs, layout.block_expert, layout.block_rows,

@@ -165,9 +165,9 @@ def down_fp8_kernel(
     """hq: (num_blocks_m * BLOCK_M, I) FP8, hs: (rows, I / GROUP) fp32; w2: (E, H, I) FP8,
     strides (stride_we, stride_wn, 1); w2s: (E, H / GROUP, I / GROUP) (block) or (E, H)
     (channel); weights: (num_pairs = T * top_k,) fp32; y: (num_pairs, H) contiguous, the output
-    dtype, or with SPLIT_K > 1 (SPLIT_K, num_pairs, H) fp32: SPLIT_K programs a tile, program s adding the
-    s-th run of K steps and writing its partial rows to y[s] (the combine adds them). BLOCK_N
-    divides GROUP or is a multiple of it. SWAP_AB: products transposed (`_product`). PDL:
+    dtype, or with SPLIT_K > 1 (SPLIT_K, num_pairs, H) fp32: SPLIT_K programs a tile, program s
+    adding the s-th run of K steps and writing its partial rows to y[s] (the combine adds them).
+    BLOCK_N divides GROUP or is a multiple of it. SWAP_AB: products transposed (`_product`). PDL:
     launched as a programmatic dependent (`dependent_launch`)."""
     chain_start(PDL)
     expert, rows, row_ok, pairs, pid_n = _tile_of(tl.program_id(0) // SPLIT_K, sorted_pairs_ptr, block_expert_ptr,
