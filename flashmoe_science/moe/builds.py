@@ -192,7 +192,7 @@ def _builds(capability: int):
         splits = dict.fromkeys((1, cfg.down_split_k))
         for dtype, block_scales, split in product(("fp16", "bf16"), (True, False), splits):
             runs = f" running split={split}" if cfg.down_split_k > 1 else ""
-            yield build(f"moe_fp8_down {dtype} block_scales={block_scales} {cfg}{runs}", down_fp8_kernel,
+            yield build(f"moe_fp8_down {dtype} block_scales={block_scales}{runs} {cfg}", down_fp8_kernel,
                         dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w2_ptr="*fp8e4nv", w2s_ptr="*fp32",
                              y_ptr="*fp32" if split > 1 else f"*{dtype}", weights_ptr="*fp32", **layout),
                         dict(BLOCK_SCALES=block_scales, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
