@@ -74,14 +74,23 @@ def _product(a, w, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _outer(row_scale, col_scale, SWAP_AB: tl.constexpr):
-    """The scale of each product element, from the token rows' and the weight columns' scales,
-    in the orientation of `_product`."""
+def _per_row(scale, SWAP_AB: tl.constexpr):
+    """Token rows' scales (BLOCK_M,) broadcast over a product in the orientation of `_product`."""
     if SWAP_AB:
-        scale = col_scale[:, None] * row_scale[None, :]
+        along = scale[None, :]
     else:
-        scale = row_scale[:, None] * col_scale[None, :]
-    return scale
+        along = scale[:, None]
+    return along
+
+
+@triton.jit
+def _per_column(scale, SWAP_AB: tl.constexpr):
+    """Weight columns' scales (N,) broadcast over a product in the orientation of `_product`."""
+    if SWAP_AB:
+        along = scale[:, None]
+    else:
+        along = scale[None, :]
+    return along
 
 
 @triton.jit
@@ -89,13 +98,10 @@ def _add_scaled(acc, product, a_scale, ws_ptr, expert, stride_se, stride_sn, off
                 GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + one K block's product scaled by its row scales (and, with block scales, the weight
     block's column scales)."""
+    scaled = product * _per_row(a_scale, SWAP_AB)
     if BLOCK_SCALES:
         w_scale = _weight_scales(ws_ptr, expert, stride_se, stride_sn, offs_n, kb, BLOCK_SCALES, GROUP)
-        return acc + product * _outer(a_scale, w_scale, SWAP_AB)
-    if SWAP_AB:
-        scaled = product * a_scale[None, :]
-    else:
-        scaled = product * a_scale[:, None]
+        scaled = scaled * _per_column(w_scale, SWAP_AB)
     return acc + scaled
 
 
