@@ -586,16 +586,20 @@ def test_backward_deterministic_and_no_host_sync():
         assert torch.equal(a, b)
 
 
-# (name, E, k, H, I, T): loads of 128-row blocks, where Hopper runs the Gluon grad_gate_up and (where
-# H >= I) both weight gradients' Gluon kernel, else d w2's alone; I = 2880 (gpt-oss's width) ends in
-# a partial column tile of both, I = 1120 in one of three epilogue chunks.
-GLUON_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 2048), ("i-2880", 8, 2, 3072, 2880, 1024),
-                ("h-below-i", 4, 2, 1024, 1120, 1024)]
+# (name, E, k, H, I, T, the Gluon d w1): on Hopper, layouts of 128-row blocks run the Gluon
+# grad_gate_up, those of 64 rows the Triton one; both run the Gluon weight-gradient kernel, for d w1
+# too but where 2I is not a multiple of its 128-row tiles (I = 1120, which also ends in one of three
+# epilogue chunks) and where H < I from GATHER_X_MIN_LOAD pairs an expert (the gather_x entry);
+# I = 2880 (gpt-oss's width) ends in a partial column tile of both.
+GLUON_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, 2048, True), ("i-2880", 8, 2, 3072, 2880, 1024, True),
+                ("h-below-i", 4, 2, 1024, 1120, 1024, False), ("h-below-i-small-load", 4, 2, 1024, 1536, 1024, True),
+                ("h-below-i-gather-x", 4, 2, 1024, 1536, 2 * configs.GATHER_X_MIN_LOAD, False),
+                ("64-row-blocks", 64, 6, 2048, 1408, 1024, True)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,E,k,H,I,T", GLUON_SHAPES)
-def test_gluon_backward_gradients(name, E, k, H, I, T):
+@pytest.mark.parametrize("name,E,k,H,I,T,gluon_w1", GLUON_SHAPES)
+def test_gluon_backward_gradients(name, E, k, H, I, T, gluon_w1):
     """The Gluon d [gate, up] and weight-gradient kernels (sm90) against the float64 reference: every
     gradient, with a dropped slot (id -1) and an idle expert (its weight gradients zero), and the
     kernels it ran named."""
@@ -609,9 +613,10 @@ def test_gluon_backward_gradients(name, E, k, H, I, T):
     inputs = leaves(x, w1, w2, weights)
     clear_records()
     _, grads = grads_of(lambda x, w1, w2, w: fused_experts(x, w1, w2, w, ids), inputs, grad_out)
-    assert last_launch("moe_grad_gate_up_gluon") is not None and last_launch("moe_grad_gate_up") is None
-    for name in ("grad_w1", "grad_w2"):
-        gluon = name == "grad_w2" or H >= I  # where H < I, d w1 reads x copied into layout order (gather_x)
+    rows_128 = configs.experts_config(info_for(x), 2, T, k, E, H, I).block_m == 128
+    assert (last_launch("moe_grad_gate_up_gluon") is not None) == rows_128
+    assert (last_launch("moe_grad_gate_up") is None) == rows_128
+    for name, gluon in (("grad_w1", gluon_w1), ("grad_w2", True)):
         assert (last_launch(f"moe_{name}_gluon") is not None) == gluon
         assert (last_launch(f"moe_{name}") is None) == gluon
     assert not grads[1][E - 1].any() and not grads[2][E - 1].any()
@@ -623,7 +628,8 @@ def test_gluon_backward_gradients(name, E, k, H, I, T):
 
 def test_gluon_backward_needs_the_gpu_and_its_layout(device, poisoned, forced_backward):  # noqa: F811
     """A configuration asking for the Gluon backward kernels runs the Triton ones where the Gluon
-    kernels cannot: in the interpreter (and on the CPU), over blocks other than 128 rows."""
+    kernels cannot: in the interpreter (and on the CPU), over blocks other than 128 rows (d [gate,
+    up]) or of part of a 64-row K step (the weight gradients)."""
     forced_backward(lambda cfg: dataclasses.replace(cfg, gluon_stages=3, gluon_weight_grad_stages=3))
     T, E, k, H, I = 37, 4, 2, 64, 32
     x, w1, w2 = make_layer(T, E, H, I, torch.float16, device)

@@ -183,9 +183,10 @@ def test_gluon_grad_gate_up_only_on_hopper_prefill(capability):
 
     device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
     for _, _, H, I in (SHAPES[name] for name in ("mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b", "olmoe-1b-7b")):
-        assert bool(configs.backward_config(device, 2, 128, H, I).gluon_stages) == (capability == 90)
-        assert not configs.backward_config(device, 2, 64, H, I).gluon_stages
-        assert not configs.backward_config(device, 4, 64, H, I).gluon_stages
+        for load in (256, configs.GATHER_X_MIN_LOAD):
+            assert bool(configs.backward_config(device, 2, 128, H, I, load).gluon_stages) == (capability == 90)
+        assert not configs.backward_config(device, 2, 64, H, I, 64).gluon_stages
+        assert not configs.backward_config(device, 4, 64, H, I, 64).gluon_stages
     for element_size, block_m, cfg in configs.backward_configs(capability):
         if cfg.gluon_stages:
             assert (element_size, block_m) == (2, backward_gluon.TILE_M.value)
@@ -208,36 +209,43 @@ def test_gluon_down_only_in_hoppers_16_bit_prefill_entry(capability):
 
 
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
-def test_gluon_weight_gradients_on_hopper_prefill_but_mixtrals_d_w1(capability):
-    """The Gluon weight-gradient kernel (sm90, 128-row blocks, 16-bit) for both weight gradients
-    where H >= I, and for d w2 alone at Mixtral's widths, whose d w1 is faster reading x copied
-    into layout order (gather_x)."""
+def test_gluon_weight_gradients_on_hopper_from_64_row_blocks_but_mixtrals_largest_d_w1(capability):
+    """The Gluon weight-gradient kernel (sm90, 16-bit, layout blocks of whole 64-row K steps) for both
+    weight gradients, but for d w2 alone at Mixtral's widths from GATHER_X_MIN_LOAD pairs an
+    expert, where d w1 is faster reading x copied into layout order (gather_x)."""
     from flashmoe_science.moe._kernels import backward_gluon
 
     device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
-    for name, gluon in (("mixtral-8x7b", ("grad_w2",)), ("deepseek-v2-lite", ("grad_w1", "grad_w2")),
-                        ("qwen3-30b-a3b", ("grad_w1", "grad_w2"))):
+    largest = configs.GATHER_X_MIN_LOAD
+    for name, load, gluon in (("mixtral-8x7b", largest, ("grad_w2",)),
+                              ("mixtral-8x7b", largest // 2, ("grad_w1", "grad_w2")),
+                              ("deepseek-v2-lite", largest, ("grad_w1", "grad_w2")),
+                              ("qwen3-30b-a3b", largest, ("grad_w1", "grad_w2"))):
         _, _, H, I = SHAPES[name]
         for kernel in ("grad_w1", "grad_w2"):
             wanted = kernel in gluon and capability == 90
-            assert bool(configs.backward_config(device, 2, 128, H, I).gluon_weight_grad(kernel)) == wanted
-            assert not configs.backward_config(device, 2, 64, H, I).gluon_weight_grad(kernel)
-            assert not configs.backward_config(device, 4, 64, H, I).gluon_weight_grad(kernel)
+            assert bool(configs.backward_config(device, 2, 128, H, I, load).gluon_weight_grad(kernel)) == wanted
+            assert bool(configs.backward_config(device, 2, 64, H, I, 64).gluon_weight_grad(kernel)) == (capability == 90)
+            assert not configs.backward_config(device, 2, 32, H, I, 32).gluon_weight_grad(kernel)
+            assert not configs.backward_config(device, 4, 64, H, I, 64).gluon_weight_grad(kernel)
     for element_size, block_m, cfg in configs.backward_configs(capability):
         if cfg.gluon_weight_grad_stages:
-            assert (element_size, block_m) == (2, backward_gluon.TILE_M.value)
+            assert element_size == 2 and block_m % backward_gluon.BLOCK_K.value == 0
 
 
 @pytest.mark.parametrize("capability", SUPPORTED_TARGETS)
 def test_backward_gathers_x_into_layout_order_only_for_experts_wider_than_the_model(capability):
     """gather_x (dW1 from a layout-order copy of x) needs descriptors, so it comes with tma; on
-    Hopper the 16-bit prefill backward takes it where H < I (Mixtral's widths), not where the
+    Hopper the 16-bit prefill backward takes it where H < I (Mixtral's widths) from
+    GATHER_X_MIN_LOAD pairs an expert, not below (the Gluon d w1 is faster there), nor where the
     (rows, H) copy costs more of the peak memory than it saves time (DeepSeek-V2-Lite,
-    Qwen3-30B-A3B, OLMoE); nor at the decode tiles."""
+    Qwen3-30B-A3B, OLMoE), nor at the decode tiles."""
     assert all(cfg.tma for _, _, cfg in configs.backward_configs(capability) if cfg.gather_x)
     device = DeviceInfo("probe", capability, 132, SHARED_MEMORY_PER_BLOCK[capability], 0)
+    largest = configs.GATHER_X_MIN_LOAD
     for (_, _, H, I), gathers in ((SHAPES["mixtral-8x7b"], True), (SHAPES["deepseek-v2-lite"], False),
                                   (SHAPES["qwen3-30b-a3b"], False), (SHAPES["olmoe-1b-7b"], False)):
-        assert configs.backward_config(device, 2, 128, H, I).gather_x == (gathers and capability == 90)
-        assert not configs.backward_config(device, 2, 16, H, I).gather_x
-        assert not configs.backward_config(device, 4, 64, H, I).gather_x
+        assert configs.backward_config(device, 2, 128, H, I, largest).gather_x == (gathers and capability == 90)
+        assert not configs.backward_config(device, 2, 128, H, I, largest - 1).gather_x
+        assert not configs.backward_config(device, 2, 16, H, I, 8).gather_x
+        assert not configs.backward_config(device, 4, 64, H, I, 64).gather_x

@@ -93,7 +93,8 @@ class BackwardPlan:
         # layout says which.
         self.block_m = sorted_pairs.numel() // self.num_blocks
         device = info_for(x)
-        self.config = config or configs.backward_config(device, x.element_size(), self.block_m, H, self.inter)
+        self.config = config or configs.backward_config(device, x.element_size(), self.block_m, H, self.inter,
+                                                        configs.pairs_per_expert(T, self.top_k, E))
         self.tma = self.config.tma and experts.tma_capable(x)
         self.copy_x = not experts.rows_read_in_place(x)
         # Weights with unit stride along either of their last two dimensions are read in place.
@@ -237,14 +238,14 @@ def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, dense
 
 def gluon_weight_grad_ok(plan: BackwardPlan, name: str, gathered, dense, grad) -> bool:
     """Whether `backward_gluon.weight_grad_gluon_kernel` can run weight gradient `name` (grad_w1 or
-    grad_w2) of this call: on the GPU, in a 16-bit dtype, over 128-row blocks, the gradient (E, M,
-    N) contiguous with M a multiple of the tile's rows, TMA able to address it and the
+    grad_w2) of this call: on the GPU, in a 16-bit dtype, over blocks of whole K steps (64 or 128
+    rows), the gradient (E, M, N) contiguous with M a multiple of the tile's rows, TMA able to address it and the
     layout-order operand `dense`, and the operand `gathered` by token in rows of H elements whose
     length and stride are multiples of 16 (which Triton specialises on: its cp.async copies are
     16 bytes, each of 8 elements)."""
     tile_m = backward_gluon.TILE_M.value
-    return (grad.is_cuda and not interpreter_active() and grad.element_size() == 2 and plan.block_m == tile_m
-            and grad.shape[1] % tile_m == 0 and grad.is_contiguous() and plan.hidden % 16 == 0
+    return (grad.is_cuda and not interpreter_active() and grad.element_size() == 2
+            and plan.block_m % backward_gluon.BLOCK_K.value == 0 and grad.shape[1] % tile_m == 0 and grad.is_contiguous() and plan.hidden % 16 == 0
             and gathered.stride(0) % 16 == 0 and addressable(grad.view(-1, grad.shape[2]), dense, gathered))
 
 
@@ -270,7 +271,7 @@ def _launch_weight_grad_gluon(key, plan: BackwardPlan, name: str, gathered, dens
         key, (min(tiles, info_for(grad).sm_count), 1, 1),
         (gathered, gluon_descriptor(dense, bg.BLOCK_K.value, dense_cols),
          gluon_descriptor(grad.view(E * M, N), bg.HALF_M.value, bg.BLOCK_N.value), row_tokens, expert_blocks,
-         E, M, N, plan.hidden, gathered.stride(0), name == "grad_w2", getattr(plan.config, name).group_m,
+         E, M, N, plan.hidden, gathered.stride(0), plan.block_m, name == "grad_w2", getattr(plan.config, name).group_m,
          plan.config.gluon_weight_grad(name)),
         num_warps=4, num_stages=1, device_index=plan.device_index)
 
@@ -322,7 +323,7 @@ def describe(hidden_states: torch.Tensor, w1: torch.Tensor, top_k: int) -> dict:
     device = info_for(hidden_states)
     forward = configs.experts_config(device, hidden_states.element_size(), T, top_k, E, H, two_i // 2)
     return {"backward_config": str(configs.backward_config(device, hidden_states.element_size(), forward.block_m, H,
-                                                           two_i // 2))}
+                                                           two_i // 2, configs.pairs_per_expert(T, top_k, E)))}
 
 
 def gradient_like(w: torch.Tensor) -> torch.Tensor:

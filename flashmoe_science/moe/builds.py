@@ -115,7 +115,7 @@ def _builds(capability: int):
             if cfg.gluon_stages and capability == 90 and not tma:
                 yield _grad_gate_up_gluon_build(dtype, block_m, cfg)
             if cfg.gluon_weight_grad_stages and capability == 90 and not tma:
-                yield from _weight_grad_gluon_builds(dtype, block_m, cfg)
+                yield from _weight_grad_gluon_builds(dtype, cfg)
             # gpt-oss's experts, as for the forward: weights stored transposed (the unit stride along
             # their rows, N) and gate and up rows interleaved, on the pointer path; our layout's unit
             # stride along K.
@@ -287,8 +287,9 @@ def _grad_gate_up_gluon_build(dtype, block_m, cfg):
                        aligned=("grad_out_ptr", "grad_gate_up_ptr", "stride_gt", "I"))
 
 
-def _weight_grad_gluon_builds(dtype, block_m, cfg):
-    """The Gluon weight-gradient kernel of backward configuration `cfg` (sm90), for d w1 and d w2."""
+def _weight_grad_gluon_builds(dtype, cfg):
+    """The Gluon weight-gradient kernel of backward configuration `cfg` (sm90), for d w1 and d w2
+    (the layout's BLOCK_M is a runtime value: entries of the same tiling share a build)."""
     from ._kernels import backward_gluon as bg
     from ._kernels.backward_gluon import weight_grad_gluon_kernel
     descriptor = functools.partial(_gluon_descriptor_type, dtype)
@@ -305,7 +306,7 @@ def _weight_grad_gluon_builds(dtype, block_m, cfg):
                          desc_out=descriptor(bg.HALF_M.value, bg.BLOCK_N.value), row_tokens_ptr="*i32",
                          expert_blocks_ptr="*i32")
         signature.update({name: "constexpr" for name in constexprs})
-        yield KernelBuild(f"moe_{name}_gluon {dtype} BLOCK_M={block_m} stages={cfg.gluon_weight_grad(name)} "
+        yield KernelBuild(f"moe_{name}_gluon {dtype} stages={cfg.gluon_weight_grad(name)} "
                           f"GROUP_M={constexprs['GROUP_M']}", fn, signature, constexprs, 4, 1,
                           aligned=("gathered_ptr", "stride_g", "gathered_cols", "N"))
 

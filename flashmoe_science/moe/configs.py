@@ -261,7 +261,14 @@ _BACKWARD_FP32 = {
 # The whole layer's step replayed from a CUDA graph:
 # 2.84-2.86 -> 2.57-2.58 ms at 4096 tokens on Qwen3-30B-A3B, 10.53-10.60 -> 10.01-10.02 on
 # DeepSeek-V2-Lite at 16k (moe_weight_grad_gluon/wg_prof.json).
+# It runs on the 64-row layout's entry too (an expert's rows are whole 64-row K steps), where the
+# Triton kernels' short K (an expert's 33-96 rows) leaves them writing their tiles one program at a
+# time: both weight gradients in the forward+backward on an H200 (benchmarks/results/
+# moe_weight_grad_small/, the same bits), Mixtral-8x7B at 256 tokens 1.68 -> 0.86 ms (the layer
+# 3.41 -> 2.60), Qwen3-30B-A3B at 1024 and 1536 0.72 -> 0.38 and 0.81 -> 0.44, DeepSeek-V2-Lite at
+# 1024 0.74 -> 0.39.
 _HOPPER_BACKWARD = {**_BACKWARD_LARGE_SMEM,
+                    64: replace(_BACKWARD_LARGE_SMEM[64], gluon_weight_grad_stages=3),
                     128: replace(_BACKWARD_LARGE_SMEM[128], grad_gate_up=G(128, 64, 8, 8, 6), tma=True,
                                  gluon_stages=3, gluon_weight_grad_stages=3)}
 BACKWARD = {
@@ -269,8 +276,9 @@ BACKWARD = {
     80: {2: _BACKWARD_LARGE_SMEM, 4: _BACKWARD_FP32},
     89: {2: _BACKWARD_SMALL_SMEM, 4: _BACKWARD_FP32},
 }
-# Where the experts are wider than the model (H < I: Mixtral-8x7B), BACKWARD_GATHER_X[family]
-# [element bytes][forward BLOCK_M] replaces the entry: dW1 reads x copied into layout order
+# Where the experts are wider than the model (H < I: Mixtral-8x7B) and take at least
+# GATHER_X_MIN_LOAD pairs each, BACKWARD_GATHER_X[family][element bytes][forward BLOCK_M] replaces
+# the entry: dW1 reads x copied into layout order
 # (gather_x) in 128 x 256 tiles, 3 stages, instead of gathering x by token (a gathered operand
 # pipelines at most 3 loads deep, dense descriptor loads all the stages). The copy, (rows, H),
 # is then small beside the (rows, 2I) d [gate, up] and the (E, 2I, H) dW1 alive with it. H100,
@@ -279,6 +287,11 @@ BACKWARD = {
 # 17.3 -> 11.8 + 0.15 ms at 16k tokens, 2.48 -> 2.16 + 0.02 at 2048. Where H >= I the copy
 # costs more of the peak than it saves time: DeepSeek-V2-Lite 1.03x for +2-10%, Qwen3-30B-A3B
 # 1.01-1.02x for +14-31%, OLMoE-1B-7B 1.02-1.04x for +1-17%; those keep the gathering kernel.
+# Against the Gluon kernel's d w1 (the entry it replaces) on an H200, Mixtral-8x7B: 5% faster at
+# 2048 pairs an expert (8192 tokens; moe_weight_grad_gluon.json), slower below: the copy and d w1
+# 4.01 against 3.65 ms at 1024 pairs, 2.31 against 1.98 at 512, 1.53 against 1.20 at 256, and
+# 1.26 against 0.81 at 128 (moe_weight_grad_small/, d w2 subtracted).
+GATHER_X_MIN_LOAD = 2048
 BACKWARD_GATHER_X = {90: {2: {128: replace(_HOPPER_BACKWARD[128], grad_w1=W(128, 256, 64, 8, 8, 3), gather_x=True,
                                            gluon_weight_grads=("grad_w2",))}}}
 del G, B, W
@@ -519,10 +532,12 @@ def experts_config(device: DeviceInfo, element_size: int, num_tokens: int, top_k
     return tuned or next(cfg for b, cfg in table if b == bound)
 
 
-def backward_config(device: DeviceInfo, element_size: int, block_m: int, hidden: int, inter: int) -> BackwardConfig:
+def backward_config(device: DeviceInfo, element_size: int, block_m: int, hidden: int, inter: int,
+                    load: int) -> BackwardConfig:
     """The backward's tiling on `device` for inputs of `element_size` bytes laid out in blocks of
-    `block_m` rows by the forward, with `hidden` (H) and `inter` (I) the experts' widths."""
-    if hidden < inter:
+    `block_m` rows by the forward, with `hidden` (H) and `inter` (I) the experts' widths and `load`
+    pairs an expert on average (`pairs_per_expert`)."""
+    if hidden < inter and load >= GATHER_X_MIN_LOAD:
         gather_x = BACKWARD_GATHER_X.get(device.arch_family, {}).get(element_size, {}).get(block_m)
         if gather_x is not None:
             return gather_x

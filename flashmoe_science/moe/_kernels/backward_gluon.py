@@ -44,7 +44,8 @@ deep, with the output written after each tile's products. Here each consumer sto
 (HALF_M, BLOCK_N) part by TMA from shared memory, waited on only before the buffer is written
 again, so the store runs under the next tile's products; an expert without rows gets zeros. Tiles
 go in `backward._expert_rows`' order (experts in turn): at 4096 tokens an expert of Qwen3-30B-A3B
-has 4 row steps a tile, where a program per tile spends much of its time filling its pipeline.
+has 4 row steps a tile, where a program per tile spends much of its time filling its pipeline. The
+row steps are BLOCK_K layout rows, so the layout's blocks (64 or 128 rows) hold whole steps.
 Each output element is one tile's sum over the rows in order, as in the Triton kernels (the same
 bits in every case measured: benchmarks/results/moe_weight_grad_gluon.json).
 """
@@ -306,7 +307,8 @@ def grad_gate_up_gluon_kernel(
 
 @gluon.jit
 def _weight_grad_producer(gathered_ptr, desc_dense, a_smem, b_smem, ready, empty, row_tokens_ptr, expert_blocks_ptr,
-                          num_experts, num_tiles_m, num_tiles_n, gathered_cols, stride_g, GATHERED_A: gl.constexpr,
+                          num_experts, num_tiles_m, num_tiles_n, gathered_cols, stride_g, layout_block_m,
+                          GATHERED_A: gl.constexpr,
                           GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Every row step of this program's tiles in order: the dense operand's boxes by TMA and the
     gathered operand's rows (zeros on padding rows and past gathered_cols) by cp.async, 16 bytes a
@@ -322,8 +324,8 @@ def _weight_grad_producer(gathered_ptr, desc_dense, a_smem, b_smem, ready, empty
     offs_c = gl.arange(0, width, layout=gl.SliceLayout(0, layout))
     it = 0
     for tile in range(gl.program_id(0), num_experts * num_tiles_m * num_tiles_n, gl.num_programs(0)):
-        expert, pid_m, pid_n, first_row, end_row = _expert_rows(tile, expert_blocks_ptr, TILE_M, num_tiles_m,
-                                                                num_tiles_n, GROUP_M)
+        expert, pid_m, pid_n, first_row, end_row = _expert_rows(tile, expert_blocks_ptr, layout_block_m,
+                                                                num_tiles_m, num_tiles_n, GROUP_M)
         for r0 in range(first_row, end_row, BLOCK_K):
             stage = it % NUM_STAGES
             mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
@@ -352,7 +354,8 @@ def _weight_grad_producer(gathered_ptr, desc_dense, a_smem, b_smem, ready, empty
 
 @gluon.jit
 def _weight_grad_consumer(a_smem, b_smem, ready, empty, epi_smem, desc_out, expert_blocks_ptr, num_experts, num_tiles_m,
-                          num_tiles_n, M, C: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+                          num_tiles_n, M, layout_block_m, C: gl.constexpr, GROUP_M: gl.constexpr,
+                          NUM_STAGES: gl.constexpr):
     """Consumer C's rows [C * HALF_M, (C + 1) * HALF_M) of every tile of this program: the sum over
     the expert's row steps (one m64n256 wgmma a 16-deep slice), then a TMA store of it (zeros for an
     expert without rows)."""
@@ -361,8 +364,8 @@ def _weight_grad_consumer(a_smem, b_smem, ready, empty, epi_smem, desc_out, expe
     epi = epi_smem.index(C)
     it = 0
     for tile in range(gl.program_id(0), num_experts * num_tiles_m * num_tiles_n, gl.num_programs(0)):
-        expert, pid_m, pid_n, first_row, end_row = _expert_rows(tile, expert_blocks_ptr, TILE_M, num_tiles_m,
-                                                                num_tiles_n, GROUP_M)
+        expert, pid_m, pid_n, first_row, end_row = _expert_rows(tile, expert_blocks_ptr, layout_block_m,
+                                                                num_tiles_m, num_tiles_n, GROUP_M)
         num_k = (end_row - first_row) // BLOCK_K
         acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=acc_layout)
         for kb in range(num_k):
@@ -389,7 +392,7 @@ def _weight_grad_consumer(a_smem, b_smem, ready, empty, epi_smem, desc_out, expe
 @gluon.jit
 def weight_grad_gluon_kernel(
     gathered_ptr, desc_dense, desc_out, row_tokens_ptr, expert_blocks_ptr,
-    num_experts, M, N, gathered_cols, stride_g,
+    num_experts, M, N, gathered_cols, stride_g, layout_block_m,
     GATHERED_A: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):
     """out[e] (M, N) = A[rows of e].T @ B[rows of e], one operand in layout order (desc_dense) and
@@ -398,7 +401,8 @@ def weight_grad_gluon_kernel(
     weighted_h (rows, I), boxes (BLOCK_K, BLOCK_N)), else d w1 = d [gate, up].T @ x[tokens]
     (desc_dense of d [gate, up] (rows, 2I), boxes (BLOCK_K, HALF_M)). desc_out: out viewed as
     (E * M, N), boxes (HALF_M, BLOCK_N), M a multiple of TILE_M. row_tokens and expert_blocks
-    as for `backward.grad_w1_kernel`, over blocks of TILE_M rows. num_warps = 4; one program an SM."""
+    as for `backward.grad_w1_kernel`, over the layout's blocks of layout_block_m rows (a multiple of
+    BLOCK_K: an expert's rows are whole K steps). num_warps = 4; one program an SM."""
     num_tiles_m = M // TILE_M
     num_tiles_n = gl.cdiv(N, BLOCK_N)
     dtype: gl.constexpr = desc_out.dtype
@@ -415,10 +419,10 @@ def weight_grad_gluon_kernel(
         mbarrier.init(empty.index(i), count=CONSUMERS)
     gl.warp_specialize([
         (_weight_grad_consumer, (a_smem, b_smem, ready, empty, epi_smem, desc_out, expert_blocks_ptr, num_experts,
-                                 num_tiles_m, num_tiles_n, M, 0, GROUP_M, NUM_STAGES)),
+                                 num_tiles_m, num_tiles_n, M, layout_block_m, 0, GROUP_M, NUM_STAGES)),
         (_weight_grad_consumer, (a_smem, b_smem, ready, empty, epi_smem, desc_out, expert_blocks_ptr, num_experts,
-                                 num_tiles_m, num_tiles_n, M, 1, GROUP_M, NUM_STAGES)),
+                                 num_tiles_m, num_tiles_n, M, layout_block_m, 1, GROUP_M, NUM_STAGES)),
         (_weight_grad_producer, (gathered_ptr, desc_dense, a_smem, b_smem, ready, empty, row_tokens_ptr,
                                  expert_blocks_ptr, num_experts, num_tiles_m, num_tiles_n, gathered_cols, stride_g,
-                                 GATHERED_A, GROUP_M, NUM_STAGES)),
+                                 layout_block_m, GATHERED_A, GROUP_M, NUM_STAGES)),
     ], [4, GATHER_WARPS], [REGS_CONSUMER, REGS_WEIGHT_GRAD_PRODUCER])
