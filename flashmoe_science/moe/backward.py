@@ -239,14 +239,15 @@ def _launch_weight_grad(launcher, name, key, plan: BackwardPlan, operands, dense
 def gluon_weight_grad_ok(plan: BackwardPlan, name: str, gathered, dense, grad) -> bool:
     """Whether `backward_gluon.weight_grad_gluon_kernel` can run weight gradient `name` (grad_w1 or
     grad_w2) of this call: on the GPU, in a 16-bit dtype, over blocks of whole K steps (64 or 128
-    rows), the gradient (E, M, N) contiguous with M a multiple of the tile's rows, TMA able to address it and the
-    layout-order operand `dense`, and the operand `gathered` by token in rows of H elements whose
-    length and stride are multiples of 16 (which Triton specialises on: its cp.async copies are
-    16 bytes, each of 8 elements)."""
+    rows), the gradient (E, M, N) contiguous with M a multiple of the tile's rows, TMA able to
+    address it and the layout-order operand `dense`, and the operand `gathered` by token in rows
+    of H elements whose length and stride are multiples of 16 (which Triton specialises on: its
+    cp.async copies are 16 bytes, each of 8 elements)."""
     tile_m = backward_gluon.TILE_M.value
     return (grad.is_cuda and not interpreter_active() and grad.element_size() == 2
-            and plan.block_m % backward_gluon.BLOCK_K.value == 0 and grad.shape[1] % tile_m == 0 and grad.is_contiguous() and plan.hidden % 16 == 0
-            and gathered.stride(0) % 16 == 0 and addressable(grad.view(-1, grad.shape[2]), dense, gathered))
+            and plan.block_m % backward_gluon.BLOCK_K.value == 0 and grad.shape[1] % tile_m == 0
+            and grad.is_contiguous() and plan.hidden % 16 == 0 and gathered.stride(0) % 16 == 0
+            and addressable(grad.view(-1, grad.shape[2]), dense, gathered))
 
 
 def _weight_grad_gluon(plan: BackwardPlan, name: str, gathered, dense, grad) -> bool:
