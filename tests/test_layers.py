@@ -314,7 +314,9 @@ def test_gpu_inductor_compiled_model_matches_eager():
     tokens = torch.randint(0, 512, (4, 256), device="cuda")
     clear_records()
     loss, grads = loss_and_grads(compiled, tokens)
-    assert last_launch("moe_grad_w1") is not None and last_launch("attention_backward_dq") is not None
+    # d w1 on the Triton kernel or, on Hopper, the Gluon one (`configs.BackwardConfig`)
+    assert last_launch("moe_grad_w1") is not None or last_launch("moe_grad_w1_gluon") is not None
+    assert last_launch("attention_backward_dq") is not None
     eager_loss, eager_grads = loss_and_grads(model, tokens)
     torch.testing.assert_close(loss, eager_loss, rtol=2e-2, atol=1e-2)
     # Inductor rounds the bf16 router logits differently, which can flip a near-tied routing
