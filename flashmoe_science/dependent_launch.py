@@ -52,6 +52,15 @@ def chain_start(PDL: tl.constexpr):
 
 
 @triton.jit
+def chain_end(PDL: tl.constexpr):
+    """The last statement of a programmatic dependent that touches nothing the kernels before it
+    write (it reads what was ready before the chain began): its work runs beside theirs, and it
+    waits for them only before it finishes, so the chain's waits stay transitive."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
 def release_dependents(PDL: tl.constexpr):
     """Let the next kernel, a programmatic dependent, launch (the first kernel of a chain, which
     itself launches the ordinary way)."""

@@ -83,14 +83,14 @@ def test_decode_combine_launches_as_a_dependent_of_the_split_kernel_on_hopper_on
 
 @pytest.mark.targets
 def test_moe_decode_launches_chain_as_programmatic_dependents_on_hopper_only(compiled_rows):
-    """sm90's MoE decode builds (configs' pdl entries: gate/up, down, their FP8 forms, the
-    combine) wait on griddepcontrol and the routing builds that release them signal it; no
-    other MoE build holds the instruction, and only sm90 has such builds."""
+    """sm90's MoE decode builds (configs' pdl entries: gate/up, down, their FP8 forms and the FP8
+    tokens' quantisation, the combine) wait on griddepcontrol and the routing builds that release
+    them signal it; no other MoE build holds the instruction, and only sm90 has such builds."""
     moe = [r for r in compiled_rows if r["label"].startswith("moe_")]
     chained = [r for r in moe if r["label"].endswith((" pdl", " release"))]
     assert {r["target"] for r in chained} == {"sm90"}
     assert {r["label"].split()[0] for r in chained} >= {"moe_gate_up", "moe_down", "moe_fp8_gate_up", "moe_fp8_down",
-                                                        "moe_combine", "moe_route"}
+                                                        "moe_fp8_quantize", "moe_combine", "moe_route"}
     assert all(r["griddepcontrol"] for r in chained), [r["label"] for r in chained if not r["griddepcontrol"]]
     assert not any(r["griddepcontrol"] for r in moe if r not in chained)
 

@@ -199,10 +199,12 @@ def _builds(capability: int):
                              GROUP_M=cfg.group_m, GROUP=FP8_GROUP, SPLIT_K=split, SWAP_AB=cfg.swap_ab, PDL=cfg.pdl),
                         cfg.down_warps, cfg.num_stages, aligned=("H", "I", "stride_we", "stride_wn"))
     if capability >= 89:
-        for dtype in ("fp16", "bf16"):
-            yield build(f"moe_fp8_quantize {dtype}", quantize_groups_kernel,
+        # beside the routing launch in a chain of programmatic dependents (an FP8 entry's pdl)
+        fp8_chained = (False, True) if any(cfg.pdl for cfg in fp8_configs(capability)) else (False,)
+        for dtype, pdl in product(("fp16", "bf16"), fp8_chained):
+            yield build(f"moe_fp8_quantize {dtype}{' pdl' if pdl else ''}", quantize_groups_kernel,
                         dict(x_ptr=f"*{dtype}", q_ptr="*fp8e4nv", s_ptr="*fp32"),
-                        dict(BLOCK_T=FP8_QUANTIZE_ROWS, GROUP=FP8_GROUP), 4, 1, aligned=("H", "stride_xt"))
+                        dict(BLOCK_T=FP8_QUANTIZE_ROWS, GROUP=FP8_GROUP, PDL=pdl), 4, 1, aligned=("H", "stride_xt"))
     tiles = dict(E_PAD=MAX_EXPERTS, PAIRS=SORT_PAIRS, TILE_B=DISPATCH_ROWS)
     # the routing and combine launches of a chain of programmatic dependents (a table entry's pdl)
     chained = (False, True) if any(cfg.pdl for _, cfg in experts_configs(capability)) else (False,)

@@ -490,7 +490,9 @@ FP8_GLUON_PREFILL = FP8Config(128, 8, 4, 4, 5, gluon=True)
 # T = 1 0.88x the time (0.58x the 16-bit layer), T = 16 0.96x, T = 64 0.89x; Qwen3-30B-A3B and
 # DeepSeek-V2-Lite T = 1 0.93-0.95x, T = 256 0.91-0.93x, T = 4-64 1.00-1.02x. Six stages and
 # 128-column down tiles measured 2-4% slower than four and 64 at T = 4 for those two. The decode
-# entry chains its launches as the 16-bit one (within 0.5%, benchmarks/results/moe_decode_pdl/).
+# entry chains its launches as the 16-bit one (within 0.5%, benchmarks/results/moe_decode_pdl/),
+# the tokens' quantisation beside the routing (`fp8._quantized_tokens`): 1.7-2.0 us less a layer at
+# T = 1-16, Qwen3-30B-A3B T = 1 28.6 -> 26.6 us (benchmarks/results/moe_fp8_quant_pdl/).
 _FP8_HOPPER = (((8, replace(_FP8_DECODE, swap_ab=True, down_split_k=2, pdl=PDL_AVAILABLE)),
                 (32, FP8Config(32, 1, 8, 4, 4, 128, swap_ab=True)))
                + ((128, _FP8_PREFILL), (None, FP8_GLUON_PREFILL)))

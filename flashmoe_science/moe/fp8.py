@@ -215,13 +215,16 @@ def run_fp8_experts(plan: _FP8Plan, x, w1, w2, w1_scale, w2_scale, topk_weights,
 
 
 def _quantized_tokens(plan: _FP8Plan, x):
-    """(xq (T, H) FP8, xs (T, H / 128) fp32): the tokens per row and group of 128 columns."""
+    """(xq (T, H) FP8, xs (T, H / 128) fp32): the tokens per row and group of 128 columns. In a
+    chained configuration (pdl) the launch is a programmatic dependent of the routing's, beside
+    which it runs: x was ready before the routing launched."""
     T, H = plan.num_tokens, plan.hidden
+    pdl = plan.config.pdl
     xq = routing.allocate((T, H), FP8_DTYPE, x.device)
     xs = routing.allocate((T, H // GROUP), torch.float32, x.device)
     _QUANTIZE.launch(plan.launch_key, (-(-T // configs.FP8_QUANTIZE_ROWS), H // GROUP, 1),
-                     (x, xq, xs, T, H, x.stride(0), configs.FP8_QUANTIZE_ROWS, GROUP),
-                     num_warps=4, num_stages=1, device_index=plan.device_index)
+                     (x, xq, xs, T, H, x.stride(0), configs.FP8_QUANTIZE_ROWS, GROUP, pdl),
+                     num_warps=4, num_stages=1, device_index=plan.device_index, **launch_options(pdl))
     return xq, xs
 
 

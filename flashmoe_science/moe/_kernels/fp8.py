@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ... import float8
-from ...dependent_launch import chain_start
+from ...dependent_launch import chain_end, chain_start, release_dependents
 from ...float8 import to_e4m3
 from .grouped_gemm import _expert_tile_ptrs, _gated_activation, _tile, _tile_of
 from .offsets import wide_offset
@@ -40,8 +40,13 @@ def _quantize_rows(values):
 
 
 @triton.jit
-def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
-    """x: (T, H), row stride stride_xt; q: (T, H) FP8 contiguous; s: (T, H / GROUP) fp32."""
+def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+                           PDL: tl.constexpr):
+    """x: (T, H), row stride stride_xt; q: (T, H) FP8 contiguous; s: (T, H / GROUP) fp32.
+    PDL: launched as a programmatic dependent of the routing launch, whose outputs it does not
+    read: it lets the gate/up GEMM launch and quantises while the routing runs, then waits for it
+    (`dependent_launch.chain_end`)."""
+    release_dependents(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     ok = (rows < T)[:, None]
@@ -49,6 +54,7 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, BLOCK_T: tl.con
     q, scale = _quantize_rows(x)
     tl.store(q_ptr + wide_offset(rows, H)[:, None] + cols[None, :], q, mask=ok)
     tl.store(s_ptr + wide_offset(rows, H // GROUP) + tl.program_id(1), scale, mask=rows < T)
+    chain_end(PDL)
 
 
 @triton.jit
