@@ -290,8 +290,9 @@ def _grad_gate_up_gluon_build(dtype, block_m, cfg):
 
 
 def _weight_grad_gluon_builds(dtype, cfg):
-    """The Gluon weight-gradient kernel of backward configuration `cfg` (sm90), for d w1 and d w2
-    (the layout's BLOCK_M is a runtime value: entries of the same tiling share a build)."""
+    """The Gluon weight-gradient kernel of backward configuration `cfg` (sm90), for d w1 and d w2:
+    BLOCK_M in its label is its output tiles' rows, as in the Triton weight gradients' (the layout's
+    block is a runtime value, so entries of the same tiling share a build)."""
     from ._kernels import backward_gluon as bg
     from ._kernels.backward_gluon import weight_grad_gluon_kernel
     descriptor = functools.partial(_gluon_descriptor_type, dtype)
@@ -308,7 +309,7 @@ def _weight_grad_gluon_builds(dtype, cfg):
                          desc_out=descriptor(bg.HALF_M.value, bg.BLOCK_N.value), row_tokens_ptr="*i32",
                          expert_blocks_ptr="*i32")
         signature.update({name: "constexpr" for name in constexprs})
-        yield KernelBuild(f"moe_{name}_gluon {dtype} stages={cfg.gluon_weight_grad(name)} "
+        yield KernelBuild(f"moe_{name}_gluon {dtype} BLOCK_M={bg.TILE_M.value} stages={cfg.gluon_weight_grad(name)} "
                           f"GROUP_M={constexprs['GROUP_M']}", fn, signature, constexprs, 4, 1,
                           aligned=("gathered_ptr", "stride_g", "gathered_cols", "N"))
 
